@@ -1,0 +1,8 @@
+//! `ragen-lab check` (being built).
+
+#[derive(clap::Args, Debug)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("`ragen-lab check` is not built yet")
+}

@@ -1,0 +1,8 @@
+//! `ragen-lab train` (being built).
+
+#[derive(clap::Args, Debug)]
+pub struct Args {}
+
+pub fn run(_args: Args) -> anyhow::Result<()> {
+    anyhow::bail!("`ragen-lab train` is not built yet")
+}
