@@ -1,1 +1,11 @@
-//! (module under construction; see DESIGN.md)
+//! StarPO and StarPO-S (RAGEN): settings with presets, per-group reward normalisation, the
+//! StarPO-S rollout filter, advantage estimators, the losses, the update, and the trainer loop.
+//!
+//! Read `trainer.rs` top to bottom for the algorithm; the math lives in small pure modules.
+pub mod advantage;
+pub mod filter;
+pub mod loss;
+pub mod normalize;
+pub mod settings;
+
+pub use settings::Settings;

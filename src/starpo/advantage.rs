@@ -1,0 +1,172 @@
+//! Advantage estimators over one packed trajectory: GAE with a critic (PPO), GRPO's broadcast
+//! score, RAGEN's bi-level GAE, and whitening over the loss mask. Pure `f32` functions, one
+//! sequence at a time; the update turns the results into tensors.
+//!
+//! Positions follow the policy's log-prob layout: position t scores token t given tokens < t;
+//! `values[t]` is the critic's estimate before token t; `mask[t]` marks assistant tokens.
+
+/// GAE (Schulman et al. 2016) over every position of one sequence, as veRL
+/// `compute_gae_advantage_return`: δₜ = rₜ + γ·Vₜ₊₁ − Vₜ (V after the end = 0),
+/// Aₜ = δₜ + γλ·Aₜ₊₁, returnsₜ = Aₜ + Vₜ. With γ = λ = 1 and the score on the last token,
+/// Aₜ = R − Vₜ.
+///
+/// # Shapes
+/// `rewards`, `values`: [T] → (advantages [T], returns [T]).
+pub fn gae(rewards: &[f32], values: &[f32], gamma: f32, lam: f32) -> (Vec<f32>, Vec<f32>) {
+    let t_len = rewards.len();
+    let mut adv = vec![0.0; t_len];
+    let mut last = 0.0;
+    for t in (0..t_len).rev() {
+        let next = if t + 1 < t_len { values[t + 1] } else { 0.0 };
+        let delta = rewards[t] + gamma * next - values[t];
+        last = delta + gamma * lam * last;
+        adv[t] = last;
+    }
+    let ret = adv.iter().zip(values).map(|(a, v)| a + v).collect();
+    (adv, ret)
+}
+
+/// GRPO: the (group-normalised) score on every assistant token, 0 elsewhere.
+///
+/// # Shapes
+/// `mask`: [T] → [T].
+pub fn grpo(score: f32, mask: &[bool]) -> Vec<f32> {
+    mask.iter().map(|&m| if m { score } else { 0.0 }).collect()
+}
+
+/// Bi-level GAE (RAGEN `compute_bi_level_gae_advantage_return`).
+///
+/// 1. Turn level: over the turn-end positions e₁ < … < e_K (the last assistant token of each
+///    turn) with that turn's reward rₖ: δₖ = rₖ + γ_turn·V(eₖ₊₁) − V(eₖ), Aₖ = δₖ + γ_turn·λ·Aₖ₊₁;
+///    the turn return Gₖ = Aₖ + V(eₖ) replaces the reward at eₖ.
+/// 2. Token level: inside each turn, GAE with γ, λ over its assistant positions, restarted at
+///    each turn end, whose "reward" is Gₖ and next value 0.
+///
+/// # Shapes
+/// `turn_ends`: [K] positions, `turn_rewards`: [K], `values`, `mask`: [T] → (advantages [T],
+/// returns [T]); positions outside the mask get 0.
+pub fn bi_level_gae(
+    turn_ends: &[usize],
+    turn_rewards: &[f32],
+    values: &[f32],
+    mask: &[bool],
+    gamma: f32,
+    lam: f32,
+    high_level_gamma: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let t_len = values.len();
+    let mut adv = vec![0.0; t_len];
+    let mut ret = vec![0.0; t_len];
+    let mut reward = vec![0.0; t_len];
+    let mut last = 0.0;
+    for k in (0..turn_ends.len()).rev() {
+        let e = turn_ends[k];
+        let next = if k + 1 < turn_ends.len() { values[turn_ends[k + 1]] } else { 0.0 };
+        let delta = turn_rewards[k] + high_level_gamma * next - values[e];
+        last = delta + high_level_gamma * lam * last;
+        adv[e] = last;
+    }
+    for &e in turn_ends {
+        reward[e] = adv[e] + values[e];
+    }
+    let valid: Vec<usize> = (0..t_len).filter(|&t| mask[t]).collect();
+    let mut last = 0.0;
+    for i in (0..valid.len()).rev() {
+        let t = valid[i];
+        let next = if turn_ends.contains(&t) || i + 1 == valid.len() {
+            last = 0.0;
+            0.0
+        } else {
+            values[valid[i + 1]]
+        };
+        let delta = reward[t] + gamma * next - values[t];
+        last = delta + gamma * lam * last;
+        adv[t] = last;
+        ret[t] = last + values[t];
+    }
+    (adv, ret)
+}
+
+/// Whiten over the masked positions of the whole batch: (x − μ)/√(σ² + 1e-8), σ² the
+/// Bessel-corrected variance (veRL `masked_whiten`). Unmasked positions become 0.
+///
+/// # Shapes
+/// `xs`, `masks`: [B][T] (ragged) → in place.
+pub fn whiten(xs: &mut [Vec<f32>], masks: &[Vec<bool>]) {
+    let vals: Vec<f64> = xs
+        .iter()
+        .zip(masks)
+        .flat_map(|(x, m)| x.iter().zip(m).filter(|p| *p.1).map(|p| *p.0 as f64))
+        .collect();
+    let n = vals.len() as f64;
+    if n < 2.0 {
+        return;
+    }
+    let mean = vals.iter().sum::<f64>() / n;
+    let var = vals.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    let scale = 1.0 / (var + 1e-8).sqrt();
+    for (x, m) in xs.iter_mut().zip(masks) {
+        for (v, &on) in x.iter_mut().zip(m) {
+            *v = if on { ((*v as f64 - mean) * scale) as f32 } else { 0.0 };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: &[f32], b: &[f32]) {
+        assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-5, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn gae_with_unit_gamma_lambda_is_score_minus_value() {
+        let r = [0.0, 0.0, 0.0, 1.0];
+        let v = [0.2, 0.5, 0.4, 0.9];
+        let (a, ret) = gae(&r, &v, 1.0, 1.0);
+        close(&a, &[0.8, 0.5, 0.6, 0.1]);
+        close(&ret, &[1.0, 1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn gae_by_hand_with_discount() {
+        // γ = 0.5, λ = 0.5, r = [0, 1], V = [0.2, 0.4]
+        // δ1 = 1 − 0.4 = 0.6, A1 = 0.6; δ0 = 0 + 0.5·0.4 − 0.2 = 0, A0 = 0 + 0.25·0.6 = 0.15
+        let (a, ret) = gae(&[0.0, 1.0], &[0.2, 0.4], 0.5, 0.5);
+        close(&a, &[0.15, 0.6]);
+        close(&ret, &[0.35, 1.0]);
+    }
+
+    #[test]
+    fn grpo_broadcasts_the_score_on_assistant_tokens() {
+        close(&grpo(0.7, &[false, true, true, false, true]), &[0.0, 0.7, 0.7, 0.0, 0.7]);
+    }
+
+    #[test]
+    fn bi_level_gae_by_hand() {
+        // Two turns: assistant tokens 1,2 (turn end 2) and 4,5 (turn end 5); token 3 is a user token.
+        // Turn rewards r = [0.5, 1.0], V = [0, 0.1, 0.2, 0, 0.3, 0.4], γ = λ = 1, γ_turn = 0.5.
+        // Turn level: A(5) = 1 − 0.4 = 0.6, G(5) = 1.0;
+        //             A(2) = 0.5 + 0.5·0.4 − 0.2 + 0.5·0.6 = 0.8, G(2) = 1.0.
+        // Token level in turn 2: A(5) = G(5) − V(5) = 0.6; A(4) = 0 + V(5) − V(4) + A(5) = 0.7.
+        // In turn 1: A(2) = 1.0 − 0.2 = 0.8; A(1) = 0.2 − 0.1 + 0.8 = 0.9.
+        let mask = [false, true, true, false, true, true];
+        let v = [0.0, 0.1, 0.2, 0.0, 0.3, 0.4];
+        let (a, ret) = bi_level_gae(&[2, 5], &[0.5, 1.0], &v, &mask, 1.0, 1.0, 0.5);
+        close(&a, &[0.0, 0.9, 0.8, 0.0, 0.7, 0.6]);
+        close(&ret, &[0.0, 1.0, 1.0, 0.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn whiten_over_mask_only() {
+        // masked values [1, 3] and [5]: μ = 3, unbiased σ² = (4 + 0 + 4)/2 = 4 → [-1, 0] and [1]
+        let mut xs = vec![vec![1.0, 3.0, 100.0], vec![5.0]];
+        whiten(&mut xs, &[vec![true, true, false], vec![true]]);
+        close(&xs[0], &[-1.0, 0.0, 0.0]);
+        close(&xs[1], &[1.0]);
+    }
+}

@@ -1,0 +1,476 @@
+//! Every training setting, declared once: a `Settings` tree of four sections (`rollout`,
+//! `starpo`, `optim`, `train`), each field with its `///` doc, its default (in `Default`, nowhere
+//! else) and its serde name. The dotted key of a field is `section.field` (`starpo.clip_high`).
+//!
+//! Resolution order: preset (`starpo` or `starpo-s`, diffs from the defaults) → `--algo` →
+//! the experiment script's `settings` map → `--set key=value` flags → [`Settings::validate`].
+//! Errors name their source and the nearest known key. `ragen-lab settings` prints
+//! [`Settings::describe`], read from the same declarations.
+//!
+//! The defaults are RAGEN's algorithm (notes/ragen.md §3–4) with a rollout sized for a 2-core CPU;
+//! the GPU sizes (8 × 16 rollouts, 200 steps) are one `--set` line (docs/training.md).
+use anyhow::{anyhow, bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Declares a settings section: the struct (serde default + deny_unknown_fields), its `Default`
+/// from the `= value` after each field, and `DOCS` (field name, default, doc text) for
+/// `ragen-lab settings`. One declaration serves all three so they cannot drift.
+macro_rules! section {
+    ($(#[doc = $sdoc:literal])* $name:ident { $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )* }) => {
+        $(#[doc = $sdoc])*
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct $name { $( $(#[doc = $doc])+ pub $field: $ty, )* }
+        impl Default for $name {
+            fn default() -> Self { Self { $($field: $default,)* } }
+        }
+        impl $name {
+            /// (field, doc) for every field, in declaration order.
+            pub const DOCS: &'static [(&'static str, &'static str)] =
+                &[$((stringify!($field), concat!($($doc, "\n"),+)),)*];
+        }
+    };
+}
+
+/// How trajectory scores are normalised within their group before advantages (RAGEN
+/// `agent_proxy.reward_normalization.method`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RewardNorm {
+    /// Scores as they are (RAGEN's default with PPO).
+    Identity,
+    /// (x − μ) / (σ + 1e-6), or 0 when σ < 1e-6 (GRPO).
+    MeanStd,
+    /// x − μ.
+    Mean,
+    /// mean_std clamped to [−1, 3].
+    AsymClip,
+}
+
+/// Which groups the StarPO-S filter keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterKind {
+    /// Keep every group (vanilla StarPO).
+    None,
+    /// Keep the top `filter_ratio` fraction of groups by reward std (RAGEN v1 StarPO-S).
+    Std,
+    /// RAGEN-2 top-p: drop zero-variance groups, keep the highest-variance groups until they
+    /// hold `filter_top_p` of the total variance.
+    TopP,
+}
+
+/// The advantage estimator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageKind {
+    /// GAE with a learned critic over the packed sequence (PPO).
+    Gae,
+    /// The group-normalised score on every assistant token (no critic).
+    Grpo,
+    /// Turn-level GAE between turn ends, then token-level GAE inside each turn (needs a critic).
+    BiLevelGae,
+}
+
+/// The KL estimator for the loss against the frozen reference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlKind {
+    /// k1: log π − log π_ref.
+    K1,
+    /// k3 "low-var-kl": r − log r − 1 with r = π_ref / π, clamped to [−10, 10].
+    K3,
+}
+
+section! {
+    /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
+    Rollout {
+        /// Number of env groups P per step; each group shares one start state (seed).
+        env_groups: usize = 4,
+        /// Episodes N per group.
+        group_size: usize = 8,
+        /// Most turns per episode; 0 = the env's own max_turns.
+        max_turns: usize = 0,
+        /// Most env actions per episode; 0 = the env's own max_actions.
+        max_actions: usize = 0,
+        /// Most actions parsed from one turn (`a || b || …`); 0 = the env's own value.
+        max_actions_per_turn: usize = 0,
+        /// Most generated tokens per turn (RAGEN: 400; its Bandit: 500).
+        response_length: usize = 128,
+        /// Most tokens in a whole packed trajectory (RAGEN max_model_len: 3600); an episode
+        /// whose next prompt would pass it ends (truncated).
+        max_context_tokens: usize = 3600,
+        /// Sampling temperature for training rollouts.
+        temperature: f64 = 1.0,
+        /// Nucleus sampling mass (1 = off).
+        top_p: f64 = 1.0,
+        /// Top-k sampling (0 = off).
+        top_k: usize = 0,
+        /// Think mode: generation starts inside `<think>`; false = no-think, it starts inside
+        /// `<answer>` and the model gives the answer alone.
+        think: bool = true,
+        /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
+        context_window: usize = 0,
+        /// Added to the score once per turn with an invalid action or a format error (RAGEN
+        /// es_manager.format_penalty).
+        format_penalty: f64 = -0.1,
+        /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
+        seed_base: u64 = 10000,
+    }
+}
+
+section! {
+    /// StarPO / StarPO-S: normalisation, filtering, advantages and losses.
+    Starpo {
+        /// Advantage estimator: gae (PPO), grpo, bi_level_gae.
+        advantage: AdvantageKind = AdvantageKind::Gae,
+        /// Per-group score normalisation: identity, mean_std, mean, asym_clip.
+        reward_norm: RewardNorm = RewardNorm::Identity,
+        /// StarPO-S rollout filter: none, std (top fraction by std), top_p (RAGEN-2).
+        filter: FilterKind = FilterKind::Std,
+        /// Fraction of groups kept by the `std` filter (RAGEN rollout_filter_ratio).
+        filter_ratio: f64 = 0.25,
+        /// Share of the total in-group variance kept by the `top_p` filter.
+        filter_top_p: f64 = 0.9,
+        /// Token-level discount γ for GAE.
+        gamma: f64 = 1.0,
+        /// GAE λ.
+        lam: f64 = 1.0,
+        /// Turn-level discount for bi-level GAE.
+        high_level_gamma: f64 = 0.95,
+        /// Lower PPO clip ε_low: the ratio is clipped at 1 − ε_low.
+        clip_low: f64 = 0.2,
+        /// Upper PPO clip ε_high: the ratio is clipped at 1 + ε_high (clip-higher; 0.28 in StarPO-S).
+        clip_high: f64 = 0.28,
+        /// Dual-clip constant c for negative advantages (0 = off).
+        dual_clip: f64 = 3.0,
+        /// Entropy bonus coefficient.
+        entropy_coef: f64 = 0.001,
+        /// KL-loss coefficient against the frozen reference (0 = no reference model).
+        kl_coef: f64 = 0.0,
+        /// KL estimator: k1 or k3 (low-var-kl).
+        kl_type: KlKind = KlKind::K1,
+        /// Value-loss clip range around the rollout-time values.
+        value_clip: f64 = 0.5,
+        /// Whiten GAE advantages over the assistant tokens of the batch.
+        whiten: bool = true,
+    }
+}
+
+section! {
+    /// Optimisation: AdamW for the actor and the critic, batching.
+    Optim {
+        /// Actor learning rate (RAGEN: 1e-6 for 0.5B models; tiny models want far more).
+        lr: f64 = 1e-6,
+        /// Critic learning rate.
+        critic_lr: f64 = 1e-5,
+        /// AdamW β1.
+        beta1: f64 = 0.9,
+        /// AdamW β2.
+        beta2: f64 = 0.999,
+        /// AdamW ε.
+        eps: f64 = 1e-8,
+        /// AdamW decoupled weight decay.
+        weight_decay: f64 = 0.01,
+        /// Clip the global gradient norm to this (0 = off).
+        grad_clip: f64 = 1.0,
+        /// Trajectories per optimiser step (RAGEN ppo_mini_batch_size); a smaller kept batch is
+        /// one mini-batch.
+        mini_batch_size: usize = 32,
+        /// Sequences per forward/backward pass (gradients accumulate over a mini-batch).
+        micro_batch_size: usize = 4,
+        /// Passes over the kept rollout per update (RAGEN ppo_epochs).
+        epochs: usize = 1,
+        /// Rollout freshness (RAGEN "Online-k"): each rollout gathers k × env_groups groups and
+        /// the kept batch is split into k optimiser steps. 1 = fully on-policy.
+        rollout_reuse: usize = 1,
+    }
+}
+
+section! {
+    /// The loop around the algorithm: length, validation, checkpoints, seeds.
+    Train {
+        /// Training steps (each: one rollout, one update).
+        steps: usize = 40,
+        /// Seed for sampling, shuffles and episode randomness.
+        seed: u64 = 42,
+        /// Validate every n steps (and before the first); 0 = never.
+        val_every: usize = 10,
+        /// Validation seeds (RAGEN: 256 fixed prompts).
+        val_groups: usize = 32,
+        /// Episodes per validation seed; pass@k uses k = this.
+        val_samples: usize = 1,
+        /// Validation sampling temperature.
+        val_temperature: f64 = 0.5,
+        /// First validation seed (RAGEN seed.val = 123).
+        val_seed: u64 = 123,
+        /// Save a checkpoint every n steps (and at the end); 0 = only at the end.
+        save_every: usize = 10,
+        /// Checkpoints kept on disk (older ones are deleted).
+        keep_checkpoints: usize = 2,
+    }
+}
+
+/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub rollout: Rollout,
+    pub starpo: Starpo,
+    pub optim: Optim,
+    pub train: Train,
+}
+
+/// The named starting points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Preset {
+    /// Vanilla StarPO: PPO, KL loss 0.001 (k1), symmetric clip 0.2, no filter.
+    Starpo,
+    /// StarPO-S (default): top 25% of groups by reward std, clip-higher 0.28, no KL.
+    StarpoS,
+}
+
+/// `--algo`: the advantage estimator family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Algo {
+    /// GAE with a critic, identity score normalisation.
+    Ppo,
+    /// Group-normalised scores (mean_std) on every assistant token, no critic; adds a k1 KL loss
+    /// 0.001 as RAGEN's GRPO baseline does.
+    Grpo,
+}
+
+impl Settings {
+    /// StarPO-S: the defaults (RAGEN v1 `base.yaml`).
+    pub fn starpo_s() -> Self {
+        Self::default()
+    }
+
+    /// Vanilla StarPO (RAGEN's `USE_BASE`): a diff from the defaults.
+    pub fn starpo() -> Self {
+        let mut s = Self::default();
+        s.starpo.filter = FilterKind::None;
+        s.starpo.clip_high = 0.2;
+        s.starpo.kl_coef = 0.001;
+        s.starpo.kl_type = KlKind::K1;
+        s
+    }
+
+    pub fn preset(p: Preset) -> Self {
+        match p {
+            Preset::Starpo => Self::starpo(),
+            Preset::StarpoS => Self::starpo_s(),
+        }
+    }
+
+    /// Switch the estimator family (RAGEN's GRPO baseline: mean_std scores, k1 KL 0.001).
+    pub fn apply_algo(&mut self, algo: Algo) {
+        match algo {
+            Algo::Ppo => {
+                self.starpo.advantage = AdvantageKind::Gae;
+                self.starpo.reward_norm = RewardNorm::Identity;
+            }
+            Algo::Grpo => {
+                self.starpo.advantage = AdvantageKind::Grpo;
+                self.starpo.reward_norm = RewardNorm::MeanStd;
+                self.starpo.kl_coef = 0.001;
+                self.starpo.kl_type = KlKind::K1;
+            }
+        }
+    }
+
+    /// Whether a critic is trained (GAE and bi-level GAE need one).
+    pub fn needs_critic(&self) -> bool {
+        matches!(self.starpo.advantage, AdvantageKind::Gae | AdvantageKind::BiLevelGae)
+    }
+
+    /// Every dotted key with its default (as JSON text) and doc, in declaration order.
+    pub fn describe() -> Vec<(String, String, String)> {
+        let defaults = serde_json::to_value(Settings::default()).expect("settings serialise");
+        let sections: [(&str, &[(&str, &str)]); 4] = [
+            ("rollout", Rollout::DOCS),
+            ("starpo", Starpo::DOCS),
+            ("optim", Optim::DOCS),
+            ("train", Train::DOCS),
+        ];
+        let mut out = Vec::new();
+        for (section, docs) in sections {
+            for (field, doc) in docs {
+                let default = defaults[section][field].to_string();
+                let doc = doc.lines().map(str::trim).collect::<Vec<_>>().join(" ");
+                out.push((format!("{section}.{field}"), default, doc));
+            }
+        }
+        out
+    }
+
+    /// All dotted keys.
+    pub fn keys() -> Vec<String> {
+        Self::describe().into_iter().map(|(k, _, _)| k).collect()
+    }
+
+    /// Apply a map of settings (nested `{starpo: {clip_high: 0.3}}` or dotted
+    /// `{"starpo.clip_high": 0.3}` keys) from `source` (named in errors).
+    pub fn apply_map(&mut self, map: &Map<String, Value>, source: &str) -> Result<()> {
+        let mut flat = Vec::new();
+        flatten("", map, &mut flat);
+        for (key, value) in flat {
+            self.set(&key, value, source)?;
+        }
+        Ok(())
+    }
+
+    /// Apply one `key=value` flag; the value is read as JSON where it parses (numbers, booleans),
+    /// else as a string (`starpo.advantage=grpo`).
+    pub fn apply_flag(&mut self, flag: &str) -> Result<()> {
+        let (key, raw) = flag
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--set {flag}: expected key=value, e.g. --set optim.lr=1e-5"))?;
+        let value = serde_json::from_str(raw.trim()).unwrap_or_else(|_| Value::String(raw.trim().to_string()));
+        self.set(key.trim(), value, &format!("--set {flag}"))
+    }
+
+    /// Set one dotted key, checked against the declaration.
+    pub fn set(&mut self, key: &str, value: Value, source: &str) -> Result<()> {
+        let known = Self::keys();
+        if !known.iter().any(|k| k == key) {
+            let hint = nearest(key, &known).map(|k| format!(" (did you mean {k}?)")).unwrap_or_default();
+            bail!("{source}: unknown setting {key}{hint}; `ragen-lab settings` lists them all");
+        }
+        let (section, field) = key.split_once('.').expect("known keys are dotted");
+        let mut tree = serde_json::to_value(&*self).expect("settings serialise");
+        tree[section][field] = value.clone();
+        *self = serde_json::from_value(tree).with_context(|| {
+            let default = Self::describe().into_iter().find(|(k, _, _)| k == key).map(|d| d.1).unwrap_or_default();
+            format!("{source}: bad value {value} for {key} (the default is {default})")
+        })?;
+        Ok(())
+    }
+
+    /// Check ranges and combinations; errors name the setting.
+    pub fn validate(&self) -> Result<()> {
+        let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
+        let checks: [(bool, &str); 16] = [
+            (r.env_groups >= 1, "rollout.env_groups must be at least 1"),
+            (r.group_size >= 1, "rollout.group_size must be at least 1"),
+            (r.response_length >= 1, "rollout.response_length must be at least 1"),
+            (r.temperature > 0.0, "rollout.temperature must be > 0"),
+            (r.top_p > 0.0 && r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
+            (s.filter_ratio > 0.0 && s.filter_ratio <= 1.0, "starpo.filter_ratio must be in (0, 1]"),
+            (s.filter_top_p > 0.0 && s.filter_top_p <= 1.0, "starpo.filter_top_p must be in (0, 1]"),
+            ((0.0..=1.0).contains(&s.gamma) && (0.0..=1.0).contains(&s.lam), "starpo.gamma and starpo.lam must be in [0, 1]"),
+            (s.clip_low >= 0.0 && s.clip_low < 1.0 && s.clip_high >= 0.0, "starpo.clip_low must be in [0, 1) and starpo.clip_high ≥ 0"),
+            (s.dual_clip == 0.0 || s.dual_clip > 1.0, "starpo.dual_clip must be 0 (off) or > 1"),
+            (s.kl_coef >= 0.0 && s.entropy_coef >= 0.0, "starpo.kl_coef and starpo.entropy_coef must be ≥ 0"),
+            (o.lr > 0.0 && o.critic_lr > 0.0, "optim.lr and optim.critic_lr must be > 0"),
+            (o.mini_batch_size >= 1 && o.micro_batch_size >= 1, "optim.mini_batch_size and optim.micro_batch_size must be at least 1"),
+            (o.epochs >= 1 && o.rollout_reuse >= 1, "optim.epochs and optim.rollout_reuse must be at least 1"),
+            (t.val_groups >= 1 && t.val_samples >= 1, "train.val_groups and train.val_samples must be at least 1"),
+            (t.val_temperature > 0.0 && t.keep_checkpoints >= 1, "train.val_temperature must be > 0 and train.keep_checkpoints ≥ 1"),
+        ];
+        for (ok, msg) in checks {
+            if !ok {
+                bail!("invalid settings: {msg}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Flatten nested maps into dotted keys; a key that already has a dot stays as it is.
+fn flatten(prefix: &str, map: &Map<String, Value>, out: &mut Vec<(String, Value)>) {
+    for (k, v) in map {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            Value::Object(inner) if !key.contains('.') => flatten(&key, inner, out),
+            _ => out.push((key, v.clone())),
+        }
+    }
+}
+
+/// The known key closest to `key` by edit distance (also matching a bare field name), if close.
+fn nearest<'a>(key: &str, known: &'a [String]) -> Option<&'a String> {
+    known
+        .iter()
+        .map(|k| {
+            let field = k.split_once('.').map(|p| p.1).unwrap_or(k);
+            (levenshtein(key, k).min(levenshtein(key, field)), k)
+        })
+        .filter(|(d, _)| *d <= 3.max(key.len() / 3))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+fn levenshtein(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur.push((prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn presets_differ_only_where_ragen_says() {
+        let (s, v) = (Settings::starpo_s(), Settings::starpo());
+        assert_eq!(s.starpo.filter, FilterKind::Std);
+        assert_eq!((s.starpo.clip_low, s.starpo.clip_high, s.starpo.kl_coef), (0.2, 0.28, 0.0));
+        assert_eq!(v.starpo.filter, FilterKind::None);
+        assert_eq!((v.starpo.clip_high, v.starpo.kl_coef), (0.2, 0.001));
+        assert_eq!((s.rollout, s.optim, s.train), (v.rollout, v.optim, v.train));
+    }
+
+    #[test]
+    fn script_map_then_flags_override_in_order() {
+        let mut s = Settings::starpo_s();
+        let map = json!({"starpo": {"clip_high": 0.3}, "optim.lr": 1e-4}).as_object().unwrap().clone();
+        s.apply_map(&map, "scripts/x.rhai").unwrap();
+        assert_eq!((s.starpo.clip_high, s.optim.lr), (0.3, 1e-4));
+        s.apply_flag("starpo.clip_high=0.25").unwrap();
+        s.apply_flag("starpo.advantage=grpo").unwrap();
+        assert_eq!(s.starpo.clip_high, 0.25);
+        assert_eq!(s.starpo.advantage, AdvantageKind::Grpo);
+    }
+
+    #[test]
+    fn unknown_key_names_source_and_nearest_key() {
+        let mut s = Settings::default();
+        let err = s.apply_flag("starpo.clip_hgh=0.3").unwrap_err().to_string();
+        assert!(err.contains("--set starpo.clip_hgh=0.3"), "{err}");
+        assert!(err.contains("did you mean starpo.clip_high?"), "{err}");
+        let map = json!({"lr": 0.1}).as_object().unwrap().clone();
+        let err = s.apply_map(&map, "scripts/b.rhai").unwrap_err().to_string();
+        assert!(err.contains("scripts/b.rhai") && err.contains("optim.lr"), "{err}");
+    }
+
+    #[test]
+    fn bad_value_and_bad_range_are_named() {
+        let mut s = Settings::default();
+        let err = format!("{:#}", s.apply_flag("rollout.env_groups=many").unwrap_err());
+        assert!(err.contains("rollout.env_groups") && err.contains("default is 4"), "{err}");
+        s.apply_flag("starpo.filter_ratio=0").unwrap();
+        assert!(s.validate().unwrap_err().to_string().contains("starpo.filter_ratio"));
+    }
+
+    #[test]
+    fn describe_lists_every_field_with_doc() {
+        let d = Settings::describe();
+        let n = Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len();
+        assert_eq!(d.len(), n);
+        let clip = d.iter().find(|(k, _, _)| k == "starpo.clip_high").unwrap();
+        assert_eq!(clip.1, "0.28");
+        assert!(clip.2.contains("clip-higher"));
+    }
+}
