@@ -1,8 +1,36 @@
-//! `ragen-lab view` (being built).
+//! `ragen-lab view`: build the rollout viewer of a run, and optionally serve it to follow a live run.
+use crate::metrics::tensorboard;
+use crate::view;
+use std::path::PathBuf;
 
+/// Build the rollout viewer: one self-contained HTML file (opens offline) with every step's
+/// trajectories as dialogue turns (observation, collapsible thinking, answer, parsed actions with
+/// invalid ones marked, rewards, score, advantage, script versions), filters by step, group,
+/// success and validity, the metric charts and the Echo-Trap alarms.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// The run directory (runs/<name>/).
+    #[arg(value_name = "RUN")]
+    pub run: PathBuf,
+    /// Where to write the page [default: RUN/view/index.html].
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Serve the run on http://127.0.0.1:PORT (loopback only; 0 = any free port). The page is
+    /// rebuilt on every load, so reloading follows a run that is still training.
+    #[arg(long, value_name = "PORT")]
+    pub serve: Option<u16>,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`ragen-lab view` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let page = view::build(&args.run, args.out.as_deref())?;
+    println!("wrote {}", page.display());
+    if let Some(p) = tensorboard::ensure_tb(&args.run)? {
+        println!("wrote {} (TensorBoard, from metrics.jsonl)", p.display());
+    }
+    if let Some(port) = args.serve {
+        view::serve::serve(&args.run, port, |addr| {
+            println!("serving {} on http://{addr}/ (ctrl-c to stop)", args.run.display());
+        })?;
+    }
+    Ok(())
 }

@@ -1,1 +1,7 @@
-//! (module under construction; see DESIGN.md)
+//! The run's numbers after the trainer has produced them: Echo-Trap diagnostics and alarms,
+//! TensorBoard event files, reading a run directory back, and the plots.
+pub mod echo_trap;
+pub mod plot;
+pub mod png;
+pub mod run;
+pub mod tensorboard;

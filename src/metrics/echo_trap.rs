@@ -1,0 +1,860 @@
+//! Echo-Trap diagnostics: detectors that watch the per-step metric series for the signs of
+//! collapse RAGEN describes (notes/ragen.md §4-5), and RAGEN-2's mutual-information estimate of
+//! template collapse.
+//!
+//! Each detector is a small state machine over one or two series; [`EchoTrapMonitor`] feeds them
+//! from the trainer's flat metrics line (`observe(step, &metrics)`) and announces an [`Alarm`] once
+//! when its condition starts, not on every step it persists. The thresholds are [`EchoSettings`]
+//! (nested in the trainer's settings as `echo`). The pure math ([`mutual_information`],
+//! [`repetition`]) has no state; the trainer computes its inputs (the cross log-prob matrix with
+//! the policy, the batch's response strings) and puts the results in the metrics line under
+//! `echo/` and `rollout/repetition`, where the monitor picks them up.
+//!
+//! This file does no I/O: writing alarms to `events.jsonl` and the metrics line is the caller's.
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::collections::{HashSet, VecDeque};
+
+/// Echo-Trap alarm thresholds (`echo.*`). Defaults follow the shapes of RAGEN's Fig. 6 curves;
+/// every alarm names the numbers it compared, so a threshold that is wrong for a task shows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EchoSettings {
+    /// Run the Echo-Trap monitor at all (alarms in the terminal, `events.jsonl`, metrics, viewer).
+    pub enabled: bool,
+    /// Observations of a series before any alarm on it may fire (its baseline needs data).
+    pub warmup_steps: usize,
+    /// Steps averaged for the "early level" of entropy and think length (taken after warm-up
+    /// starts, i.e. the first `baseline_steps` values seen).
+    pub baseline_steps: usize,
+    /// Consecutive steps a slow condition (variance cliff, entropy collapse, vanishing reasoning)
+    /// must hold before it is announced; `since` is the first of them.
+    pub confirm_steps: usize,
+    /// Steps in the moving average used for the running peaks of in-group std and mean reward.
+    pub smooth_window: usize,
+    /// Variance cliff: `rollout/in_group_std` below this fraction of its running peak...
+    pub cliff_fraction: f64,
+    /// ...while `rollout/reward_mean` is still within this many peak-stds of its own running peak
+    /// (the mean "has not fallen yet": the early warning RAGEN describes).
+    pub cliff_mean_drop: f64,
+    /// Variance cliff: ignore series whose peak in-group std never exceeded this (no signal to lose).
+    pub cliff_min_peak: f64,
+    /// Gradient-norm spike: `update/grad_norm` above this factor × the running median.
+    pub spike_factor: f64,
+    /// Steps in the running median for gradient-norm spikes and entropy rises.
+    pub median_window: usize,
+    /// Entropy collapse: `update/entropy` below this fraction of its early level.
+    pub entropy_collapse_fraction: f64,
+    /// Erratic entropy: `update/entropy` above this factor × its running median.
+    pub entropy_rise_factor: f64,
+    /// Vanishing reasoning: `rollout/think_len` below this fraction of its early level.
+    pub think_fraction: f64,
+    /// Vanishing reasoning: ignore runs whose early think length is under this many tokens.
+    pub think_min_baseline: f64,
+    /// Repetition: `rollout/repetition` (share of responses duplicating another) above this.
+    pub repetition_max: f64,
+    /// Template collapse: compute RAGEN-2's mutual-information estimate every this many steps
+    /// (0 = never). The trainer reads this; the monitor checks whatever `echo/` values arrive.
+    pub mi_every: usize,
+    /// Template collapse: number of (prompt, reasoning) pairs in the cross log-prob matrix.
+    pub mi_samples: usize,
+    /// Template collapse: MI below this fraction of its upper bound ln N...
+    pub mi_min_fraction: f64,
+    /// ...and retrieval accuracy at most this factor × chance (1/N).
+    pub retrieval_chance_factor: f64,
+}
+
+impl Default for EchoSettings {
+    fn default() -> Self {
+        EchoSettings {
+            enabled: true,
+            warmup_steps: 5,
+            baseline_steps: 5,
+            confirm_steps: 2,
+            smooth_window: 3,
+            cliff_fraction: 0.3,
+            cliff_mean_drop: 1.0,
+            cliff_min_peak: 0.01,
+            spike_factor: 5.0,
+            median_window: 20,
+            entropy_collapse_fraction: 0.1,
+            entropy_rise_factor: 2.0,
+            think_fraction: 0.2,
+            think_min_baseline: 2.0,
+            repetition_max: 0.5,
+            mi_every: 5,
+            mi_samples: 16,
+            mi_min_fraction: 0.15,
+            retrieval_chance_factor: 1.5,
+        }
+    }
+}
+
+/// What an alarm is about; serialised in snake_case (`"variance_cliff"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AlarmKind {
+    VarianceCliff,
+    GradNormSpike,
+    EntropyCollapse,
+    EntropyRise,
+    VanishingReasoning,
+    Repetition,
+    TemplateCollapse,
+}
+
+impl AlarmKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlarmKind::VarianceCliff => "variance_cliff",
+            AlarmKind::GradNormSpike => "grad_norm_spike",
+            AlarmKind::EntropyCollapse => "entropy_collapse",
+            AlarmKind::EntropyRise => "entropy_rise",
+            AlarmKind::VanishingReasoning => "vanishing_reasoning",
+            AlarmKind::Repetition => "repetition",
+            AlarmKind::TemplateCollapse => "template_collapse",
+        }
+    }
+}
+
+/// One announcement: what was seen, since which step, with the numbers compared.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alarm {
+    pub kind: AlarmKind,
+    /// The step at which it was announced (≥ `since` when confirmation takes several steps).
+    pub step: u64,
+    /// The first step at which the condition held.
+    pub since: u64,
+    /// The observed value (at `step`).
+    pub value: f64,
+    /// The value it was compared against (threshold already applied: peak × fraction, etc.).
+    pub threshold: f64,
+    /// One line for a human, with the numbers.
+    pub message: String,
+}
+
+impl Alarm {
+    /// The line for `events.jsonl` (contract: `kind` = "alarm"; `alarm` names the detector).
+    pub fn event(&self, time: f64) -> Value {
+        serde_json::json!({
+            "step": self.step, "time": time, "kind": "alarm", "alarm": self.kind.as_str(),
+            "since": self.since, "value": self.value, "threshold": self.threshold,
+            "message": self.message,
+        })
+    }
+
+    /// The entry for the step's metrics line (`"alarms": [...]`).
+    pub fn metrics_entry(&self) -> Value {
+        serde_json::json!({"kind": self.kind.as_str(), "since": self.since, "message": self.message})
+    }
+}
+
+/// Announces a condition once when it has held for `need` consecutive observations, then stays
+/// quiet until the condition clears (after which it may fire again).
+#[derive(Clone, Debug, Default)]
+struct Latch {
+    need: usize,
+    start: Option<u64>,
+    run: usize,
+    announced: bool,
+}
+
+impl Latch {
+    fn new(need: usize) -> Self {
+        Latch { need: need.max(1), ..Default::default() }
+    }
+
+    /// Returns `Some(since)` exactly on the step the condition is to be announced.
+    fn feed(&mut self, step: u64, holds: bool) -> Option<u64> {
+        if !holds {
+            *self = Latch::new(self.need);
+            return None;
+        }
+        let since = *self.start.get_or_insert(step);
+        self.run += 1;
+        if self.run >= self.need && !self.announced {
+            self.announced = true;
+            return Some(since);
+        }
+        None
+    }
+}
+
+/// The last `cap` values of a series.
+#[derive(Clone, Debug)]
+struct Window {
+    cap: usize,
+    xs: VecDeque<f64>,
+}
+
+impl Window {
+    fn new(cap: usize) -> Self {
+        Window { cap: cap.max(1), xs: VecDeque::new() }
+    }
+    fn push(&mut self, x: f64) {
+        if self.xs.len() == self.cap {
+            self.xs.pop_front();
+        }
+        self.xs.push_back(x);
+    }
+    fn mean(&self) -> f64 {
+        self.xs.iter().sum::<f64>() / self.xs.len().max(1) as f64
+    }
+    fn median(&self) -> f64 {
+        let mut v: Vec<f64> = self.xs.iter().copied().collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+        }
+    }
+}
+
+/// The mean of the first `n` values of a series: its "early level".
+#[derive(Clone, Debug)]
+struct Baseline {
+    n: usize,
+    sum: f64,
+    seen: usize,
+}
+
+impl Baseline {
+    fn new(n: usize) -> Self {
+        Baseline { n: n.max(1), sum: 0.0, seen: 0 }
+    }
+    fn push(&mut self, x: f64) {
+        if self.seen < self.n {
+            self.sum += x;
+            self.seen += 1;
+        }
+    }
+    /// Some(level) once the first `n` values are in.
+    fn level(&self) -> Option<f64> {
+        (self.seen >= self.n).then(|| self.sum / self.seen as f64)
+    }
+}
+
+/// A condition seen at one step, before latching.
+struct Finding {
+    holds: bool,
+    value: f64,
+    threshold: f64,
+    message: String,
+}
+
+impl Finding {
+    fn quiet() -> Self {
+        Finding { holds: false, value: f64::NAN, threshold: f64::NAN, message: String::new() }
+    }
+}
+
+/// Variance cliff: in-group reward std falls below a fraction of its running (smoothed) peak
+/// while the mean reward has not fallen by more than `cliff_mean_drop` × that peak std.
+#[derive(Clone, Debug)]
+pub struct VarianceCliff {
+    fraction: f64,
+    mean_drop: f64,
+    min_peak: f64,
+    std_recent: Window,
+    mean_recent: Window,
+    peak_std: f64,
+    peak_std_step: u64,
+    peak_mean: f64,
+}
+
+impl VarianceCliff {
+    pub fn new(s: &EchoSettings) -> Self {
+        VarianceCliff {
+            fraction: s.cliff_fraction,
+            mean_drop: s.cliff_mean_drop,
+            min_peak: s.cliff_min_peak,
+            std_recent: Window::new(s.smooth_window),
+            mean_recent: Window::new(s.smooth_window),
+            peak_std: f64::NEG_INFINITY,
+            peak_std_step: 0,
+            peak_mean: f64::NEG_INFINITY,
+        }
+    }
+
+    fn check(&mut self, step: u64, std: f64, mean: f64) -> Finding {
+        // Compare against the peaks *before* this step, so a cliff cannot lower its own bar.
+        let limit = self.fraction * self.peak_std;
+        let mean_now = {
+            let mut w = self.mean_recent.clone();
+            w.push(mean);
+            w.mean()
+        };
+        let mean_fell = self.peak_mean - mean_now > self.mean_drop * self.peak_std;
+        let f = if self.peak_std >= self.min_peak && std < limit && !mean_fell {
+            Finding {
+                holds: true,
+                value: std,
+                threshold: limit,
+                message: format!(
+                    "in-group reward std {std:.4} is {:.0}% of its peak {:.4} (step {}) while mean \
+                     reward holds at {mean_now:.4} (peak {:.4}): the group no longer disagrees, \
+                     the learning signal is vanishing",
+                    100.0 * std / self.peak_std,
+                    self.peak_std,
+                    self.peak_std_step,
+                    self.peak_mean
+                ),
+            }
+        } else {
+            Finding::quiet()
+        };
+        self.std_recent.push(std);
+        self.mean_recent.push(mean);
+        if self.std_recent.mean() > self.peak_std {
+            self.peak_std = self.std_recent.mean();
+            self.peak_std_step = step;
+        }
+        self.peak_mean = self.peak_mean.max(self.mean_recent.mean());
+        f
+    }
+}
+
+/// A value far above its own running median (gradient-norm spikes, erratic entropy rises).
+#[derive(Clone, Debug)]
+pub struct SpikeOverMedian {
+    factor: f64,
+    recent: Window,
+}
+
+impl SpikeOverMedian {
+    pub fn new(factor: f64, window: usize) -> Self {
+        SpikeOverMedian { factor, recent: Window::new(window) }
+    }
+
+    fn check(&mut self, x: f64, what: &str) -> Finding {
+        let median = self.recent.median();
+        let limit = self.factor * median;
+        let f = if median.is_finite() && median > 0.0 && x > limit {
+            Finding {
+                holds: true,
+                value: x,
+                threshold: limit,
+                message: format!(
+                    "{what} {x:.4} is {:.1}× its running median {median:.4} (threshold {:.1}×)",
+                    x / median,
+                    self.factor
+                ),
+            }
+        } else {
+            Finding::quiet()
+        };
+        self.recent.push(x);
+        f
+    }
+}
+
+/// A value fallen below a fraction of its early level (entropy collapse, vanishing reasoning).
+#[derive(Clone, Debug)]
+pub struct FallBelowEarly {
+    fraction: f64,
+    min_baseline: f64,
+    early: Baseline,
+}
+
+impl FallBelowEarly {
+    pub fn new(fraction: f64, baseline_steps: usize, min_baseline: f64) -> Self {
+        FallBelowEarly { fraction, min_baseline, early: Baseline::new(baseline_steps) }
+    }
+
+    fn check(&mut self, x: f64, what: &str) -> Finding {
+        self.early.push(x);
+        match self.early.level() {
+            Some(level) if level >= self.min_baseline && x < self.fraction * level => Finding {
+                holds: true,
+                value: x,
+                threshold: self.fraction * level,
+                message: format!(
+                    "{what} {x:.4} is {:.0}% of its early level {level:.4} (threshold {:.0}%)",
+                    100.0 * x / level,
+                    100.0 * self.fraction
+                ),
+            },
+            _ => Finding::quiet(),
+        }
+    }
+}
+
+/// A value above a fixed limit (repetition share).
+fn above(x: f64, limit: f64, message: impl FnOnce() -> String) -> Finding {
+    if x > limit {
+        Finding { holds: true, value: x, threshold: limit, message: message() }
+    } else {
+        Finding::quiet()
+    }
+}
+
+/// Template collapse from the `echo/` keys of [`MutualInfo::to_metrics`]: MI near zero and
+/// retrieval accuracy near chance (reasoning no longer depends on the input).
+fn template_collapse(s: &EchoSettings, m: &Map<String, Value>) -> Option<Finding> {
+    let mi = num(m, "echo/mi_estimate")?;
+    let acc = num(m, "echo/retrieval_accuracy")?;
+    let n = num(m, "echo/mi_samples")?;
+    if n < 2.0 {
+        return None;
+    }
+    let (bound, chance) = (n.ln(), 1.0 / n);
+    let holds = mi < s.mi_min_fraction * bound && acc <= s.retrieval_chance_factor * chance;
+    Some(if holds {
+        Finding {
+            holds,
+            value: mi,
+            threshold: s.mi_min_fraction * bound,
+            message: format!(
+                "reasoning no longer depends on the prompt: mutual information {mi:.3} nats is \
+                 {:.0}% of its bound ln {n} = {bound:.3}, retrieval accuracy {acc:.3} vs chance \
+                 {chance:.3}",
+                100.0 * mi / bound
+            ),
+        }
+    } else {
+        Finding::quiet()
+    })
+}
+
+fn num(m: &Map<String, Value>, key: &str) -> Option<f64> {
+    m.get(key).and_then(Value::as_f64).filter(|x| x.is_finite())
+}
+
+/// The metric keys each detector reads (the contract's `rollout/`, `update/`, `echo/` names).
+pub mod keys {
+    pub const IN_GROUP_STD: &str = "rollout/in_group_std";
+    pub const REWARD_MEAN: &str = "rollout/reward_mean";
+    pub const GRAD_NORM: &str = "update/grad_norm";
+    pub const ENTROPY: &str = "update/entropy";
+    pub const THINK_LEN: &str = "rollout/think_len";
+    pub const REPETITION: &str = "rollout/repetition";
+}
+
+/// Runs every detector over the trainer's per-step metrics and announces each alarm once.
+#[derive(Clone, Debug)]
+pub struct EchoTrapMonitor {
+    settings: EchoSettings,
+    seen: [usize; 5],
+    cliff: (VarianceCliff, Latch),
+    spike: (SpikeOverMedian, Latch),
+    entropy_low: (FallBelowEarly, Latch),
+    entropy_high: (SpikeOverMedian, Latch),
+    think: (FallBelowEarly, Latch),
+    repeat: Latch,
+    template: Latch,
+}
+
+impl EchoTrapMonitor {
+    pub fn new(settings: EchoSettings) -> Self {
+        let s = &settings;
+        EchoTrapMonitor {
+            seen: [0; 5],
+            cliff: (VarianceCliff::new(s), Latch::new(s.confirm_steps)),
+            spike: (SpikeOverMedian::new(s.spike_factor, s.median_window), Latch::new(1)),
+            entropy_low: (
+                FallBelowEarly::new(s.entropy_collapse_fraction, s.baseline_steps, 0.0),
+                Latch::new(s.confirm_steps),
+            ),
+            entropy_high: (
+                SpikeOverMedian::new(s.entropy_rise_factor, s.median_window),
+                Latch::new(1),
+            ),
+            think: (
+                FallBelowEarly::new(s.think_fraction, s.baseline_steps, s.think_min_baseline),
+                Latch::new(s.confirm_steps),
+            ),
+            repeat: Latch::new(s.confirm_steps),
+            template: Latch::new(1),
+            settings,
+        }
+    }
+
+    pub fn settings(&self) -> &EchoSettings {
+        &self.settings
+    }
+
+    /// Feed one step's metrics line; returns the alarms that start at this step. Absent keys are
+    /// skipped (a detector neither advances nor clears), so sparse metrics such as `echo/` work.
+    pub fn observe(&mut self, step: u64, m: &Map<String, Value>) -> Vec<Alarm> {
+        if !self.settings.enabled {
+            return vec![];
+        }
+        let warm = self.settings.warmup_steps;
+        let mut out = vec![];
+        let mut emit = |latch: &mut Latch, kind: AlarmKind, f: Finding, armed: bool| {
+            // Before warm-up the detector learns its baselines but may not announce.
+            if let Some(since) = latch.feed(step, f.holds && armed) {
+                out.push(Alarm {
+                    kind,
+                    step,
+                    since,
+                    value: f.value,
+                    threshold: f.threshold,
+                    message: format!("{}: {} (since step {since})", kind.as_str(), f.message),
+                });
+            }
+        };
+        let mut tick = |i: usize| {
+            self.seen[i] += 1;
+            self.seen[i] > warm
+        };
+        if let (Some(std), Some(mean)) = (num(m, keys::IN_GROUP_STD), num(m, keys::REWARD_MEAN)) {
+            let armed = tick(0);
+            let f = self.cliff.0.check(step, std, mean);
+            emit(&mut self.cliff.1, AlarmKind::VarianceCliff, f, armed);
+        }
+        if let Some(g) = num(m, keys::GRAD_NORM) {
+            let armed = tick(1);
+            let f = self.spike.0.check(g, "gradient norm");
+            emit(&mut self.spike.1, AlarmKind::GradNormSpike, f, armed);
+        }
+        if let Some(h) = num(m, keys::ENTROPY) {
+            let armed = tick(2);
+            let f = self.entropy_low.0.check(h, "token entropy");
+            emit(&mut self.entropy_low.1, AlarmKind::EntropyCollapse, f, armed);
+            let f = self.entropy_high.0.check(h, "token entropy");
+            emit(&mut self.entropy_high.1, AlarmKind::EntropyRise, f, armed);
+        }
+        if let Some(t) = num(m, keys::THINK_LEN) {
+            let armed = tick(3);
+            let f = self.think.0.check(t, "think length (tokens per turn)");
+            emit(&mut self.think.1, AlarmKind::VanishingReasoning, f, armed);
+        }
+        if let Some(r) = num(m, keys::REPETITION) {
+            let armed = tick(4);
+            let limit = self.settings.repetition_max;
+            let f = above(r, limit, || {
+                format!(
+                    "{:.0}% of responses duplicate another in the batch (threshold {:.0}%)",
+                    100.0 * r,
+                    100.0 * limit
+                )
+            });
+            emit(&mut self.repeat, AlarmKind::Repetition, f, armed);
+        }
+        if let Some(f) = template_collapse(&self.settings, m) {
+            // Sparse (every `mi_every` steps): no warm-up beyond having a matrix at all.
+            emit(&mut self.template, AlarmKind::TemplateCollapse, f, true);
+        }
+        out
+    }
+}
+
+/// Replays a recorded run's metrics through a fresh monitor (for plots and the viewer of a run
+/// written without alarms, or with other thresholds).
+pub fn replay<'a>(
+    settings: &EchoSettings,
+    lines: impl IntoIterator<Item = (u64, &'a Map<String, Value>)>,
+) -> Vec<Alarm> {
+    let mut mon = EchoTrapMonitor::new(settings.clone());
+    lines.into_iter().flat_map(|(step, m)| mon.observe(step, m)).collect()
+}
+
+/// The share of responses in a batch that duplicate another response in it (`rollout/repetition`).
+/// Responses are compared after trimming and collapsing whitespace runs; an exact template
+/// repeated by every episode gives 1.0, all-distinct responses 0.0.
+pub fn repetition<S: AsRef<str>>(responses: &[S]) -> f64 {
+    if responses.is_empty() {
+        return 0.0;
+    }
+    let norm: Vec<String> = responses
+        .iter()
+        .map(|r| r.as_ref().split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let mut once = HashSet::new();
+    let mut twice = HashSet::new();
+    for r in &norm {
+        if !once.insert(r.as_str()) {
+            twice.insert(r.as_str());
+        }
+    }
+    let dup = norm.iter().filter(|r| twice.contains(r.as_str())).count();
+    dup as f64 / norm.len() as f64
+}
+
+/// RAGEN-2's template-collapse estimate from a cross log-prob matrix.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MutualInfo {
+    /// Number of prompts N (columns).
+    pub n: usize,
+    /// H(Z|X) = −mean_i log p(z_i | x_{t(i)}), nats per trace.
+    pub conditional_entropy: f64,
+    /// H(Z) with p(z) the mixture (1/N) Σ_j p(z | x_j), nats per trace.
+    pub marginal_entropy: f64,
+    /// I(X;Z) = H(Z) − H(Z|X); at most ln N.
+    pub mi: f64,
+    /// ln N, the largest MI a set of N prompts can show.
+    pub upper_bound: f64,
+    /// Share of traces whose own prompt scores them highest (ties share the credit).
+    pub retrieval_accuracy: f64,
+    /// 1/N, the retrieval accuracy of reasoning that ignores the prompt.
+    pub chance: f64,
+}
+
+impl MutualInfo {
+    /// The `echo/` keys for the step's metrics line (what the monitor and the viewer read).
+    pub fn to_metrics(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        let mut put = |k: &str, v: f64| {
+            m.insert(format!("echo/{k}"), serde_json::json!(v));
+        };
+        put("mi_estimate", self.mi);
+        put("mi_upper_bound", self.upper_bound);
+        put("conditional_entropy", self.conditional_entropy);
+        put("marginal_entropy", self.marginal_entropy);
+        put("retrieval_accuracy", self.retrieval_accuracy);
+        put("retrieval_chance", self.chance);
+        put("mi_samples", self.n as f64);
+        m
+    }
+}
+
+/// Mutual information between prompts X and reasoning traces Z (RAGEN-2 `collapse_metrics.py`).
+///
+/// `logp[i][j]` = log p(z_i | x_j): the summed log-prob of trace i's reasoning tokens (tags
+/// excluded) teacher-forced after prompt j (up to and including `<think>`). `truth[i]` is the
+/// prompt trace i was sampled from; for the square N×N case pass `0..N`. Rows may outnumber
+/// columns (K traces per prompt).
+///
+/// H(Z|X) = −(1/M) Σ_i logp[i][t_i];  H(Z) = −(1/M) Σ_i log((1/N) Σ_j exp logp[i][j]);
+/// I = H(Z) − H(Z|X) ≤ ln N. Retrieval: argmax_j logp[i][j] == t_i, chance 1/N.
+pub fn mutual_information(logp: &[Vec<f64>], truth: &[usize]) -> anyhow::Result<MutualInfo> {
+    let n = logp.first().map_or(0, Vec::len);
+    anyhow::ensure!(n >= 2, "mutual information needs at least 2 prompts (columns), got {n}");
+    anyhow::ensure!(
+        truth.len() == logp.len(),
+        "mutual information: {} traces (rows) but {} true-prompt indices",
+        logp.len(),
+        truth.len()
+    );
+    let (mut h_cond, mut h_marg, mut hits) = (0.0, 0.0, 0.0);
+    for (i, (row, &t)) in logp.iter().zip(truth).enumerate() {
+        anyhow::ensure!(row.len() == n, "mutual information: row {i} has {} columns, not {n}", row.len());
+        anyhow::ensure!(t < n, "mutual information: trace {i} names prompt {t}, but there are {n}");
+        anyhow::ensure!(
+            row.iter().all(|x| x.is_finite()),
+            "mutual information: row {i} has a non-finite log-prob"
+        );
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        // log-mean-exp, shifted by the max for stability.
+        let log_mix = max + (row.iter().map(|x| (x - max).exp()).sum::<f64>() / n as f64).ln();
+        h_cond -= row[t];
+        h_marg -= log_mix;
+        let ties = row.iter().filter(|&&x| x == max).count();
+        if row[t] == max {
+            hits += 1.0 / ties as f64;
+        }
+    }
+    let m = logp.len() as f64;
+    let (h_cond, h_marg) = (h_cond / m, h_marg / m);
+    Ok(MutualInfo {
+        n,
+        conditional_entropy: h_cond,
+        marginal_entropy: h_marg,
+        mi: h_marg - h_cond,
+        upper_bound: (n as f64).ln(),
+        retrieval_accuracy: hits / m,
+        chance: 1.0 / n as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    /// One recorded run: a metrics line per step from per-key generators.
+    fn series(steps: u64, f: impl Fn(u64, &mut Rng) -> Vec<(&'static str, f64)>) -> Vec<Map<String, Value>> {
+        let mut rng = Rng::new(7);
+        (1..=steps)
+            .map(|s| f(s, &mut rng).into_iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect())
+            .collect()
+    }
+
+    fn jitter(rng: &mut Rng, scale: f64) -> f64 {
+        (rng.next_f64() - 0.5) * 2.0 * scale
+    }
+
+    fn run(lines: &[Map<String, Value>]) -> Vec<Alarm> {
+        replay(&EchoSettings::default(), lines.iter().enumerate().map(|(i, m)| (i as u64 + 1, m)))
+    }
+
+    /// A run that learns: mean reward climbs, in-group std stays, entropy decays gently, think
+    /// length and grad norm wobble, responses mostly distinct, reasoning depends on the prompt.
+    fn healthy(s: u64, r: &mut Rng) -> Vec<(&'static str, f64)> {
+        let t = s as f64;
+        let mut v = vec![
+            (keys::REWARD_MEAN, 0.2 + 0.004 * t + jitter(r, 0.03)),
+            (keys::IN_GROUP_STD, 0.30 + jitter(r, 0.05)),
+            (keys::GRAD_NORM, 1.0 + jitter(r, 0.4)),
+            (keys::ENTROPY, 1.5 - 0.004 * t + jitter(r, 0.05)),
+            (keys::THINK_LEN, 40.0 - 0.05 * t + jitter(r, 6.0)),
+            (keys::REPETITION, 0.1 + jitter(r, 0.08)),
+        ];
+        if s % 5 == 0 {
+            v.extend([("echo/mi_estimate", 1.6 + jitter(r, 0.2)), ("echo/retrieval_accuracy", 0.7), ("echo/mi_samples", 8.0)]);
+        }
+        v
+    }
+
+    #[test]
+    fn healthy_run_raises_no_alarm() {
+        let alarms = run(&series(150, healthy));
+        assert!(alarms.is_empty(), "false alarms: {alarms:#?}");
+    }
+
+    /// RAGEN Fig. 6, FrozenLake-PPO shape: std falls off a cliff at step 40 while the mean holds
+    /// until 90; the grad norm spikes at 90; entropy collapses from 100; thinking shrinks from 60.
+    fn collapsing(s: u64, r: &mut Rng) -> Vec<(&'static str, f64)> {
+        let mut v = healthy(s, r);
+        let set = |v: &mut Vec<(&'static str, f64)>, k: &str, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
+        if s >= 40 {
+            set(&mut v, keys::IN_GROUP_STD, 0.04 + jitter(r, 0.01));
+        }
+        if s >= 90 {
+            set(&mut v, keys::REWARD_MEAN, 0.1 + jitter(r, 0.02));
+        }
+        if s == 90 {
+            set(&mut v, keys::GRAD_NORM, 9.0);
+        }
+        if s >= 100 {
+            set(&mut v, keys::ENTROPY, 0.05 + jitter(r, 0.01));
+        }
+        if s >= 60 {
+            set(&mut v, keys::THINK_LEN, 2.0 + jitter(r, 1.0));
+        }
+        v
+    }
+
+    #[test]
+    fn collapse_fires_each_alarm_once_at_its_step() {
+        let alarms = run(&series(150, collapsing));
+        let got: Vec<(AlarmKind, u64, u64)> = alarms.iter().map(|a| (a.kind, a.since, a.step)).collect();
+        // Slow signals need confirm_steps = 2 consecutive steps: announced one step after `since`.
+        assert_eq!(
+            got,
+            vec![
+                (AlarmKind::VarianceCliff, 40, 41),
+                (AlarmKind::VanishingReasoning, 60, 61),
+                (AlarmKind::GradNormSpike, 90, 90),
+                (AlarmKind::EntropyCollapse, 100, 101),
+            ],
+            "{alarms:#?}"
+        );
+        let cliff = &alarms[0];
+        assert!(cliff.message.contains("since step 40"), "{}", cliff.message);
+        assert!(cliff.value < cliff.threshold);
+    }
+
+    #[test]
+    fn variance_cliff_stays_quiet_once_the_mean_has_fallen_too() {
+        // Both fall together (Sokoban-PPO in Fig. 6): that is collapse, not an early warning.
+        let alarms = run(&series(60, |s, r| {
+            let mut v = healthy(s, r);
+            if s >= 30 {
+                v[0].1 = -0.5;
+                v[1].1 = 0.02;
+            }
+            v
+        }));
+        assert!(alarms.iter().all(|a| a.kind != AlarmKind::VarianceCliff), "{alarms:#?}");
+    }
+
+    #[test]
+    fn a_second_spike_after_recovery_is_announced_again() {
+        let alarms = run(&series(60, |s, r| {
+            let mut v = healthy(s, r);
+            if s == 20 || s == 21 || s == 45 {
+                v[2].1 = 12.0;
+            }
+            v
+        }));
+        let spikes: Vec<(u64, u64)> =
+            alarms.iter().filter(|a| a.kind == AlarmKind::GradNormSpike).map(|a| (a.since, a.step)).collect();
+        assert_eq!(spikes, vec![(20, 20), (45, 45)]);
+    }
+
+    #[test]
+    fn erratic_entropy_rise_and_repetition_fire() {
+        let alarms = run(&series(40, |s, r| {
+            let mut v = healthy(s, r);
+            if s == 25 {
+                v[3].1 = 4.0;
+            }
+            if s >= 30 {
+                v[5].1 = 0.9;
+            }
+            v
+        }));
+        let got: Vec<(AlarmKind, u64)> = alarms.iter().map(|a| (a.kind, a.since)).collect();
+        assert_eq!(got, vec![(AlarmKind::EntropyRise, 25), (AlarmKind::Repetition, 30)]);
+    }
+
+    #[test]
+    fn nothing_fires_during_warmup() {
+        // warmup_steps = 5: the 5th observation may not fire, the 6th may.
+        let spike_at = |k: u64| series(6, move |s, _| vec![(keys::GRAD_NORM, if s == k { 50.0 } else { 1.0 })]);
+        assert!(run(&spike_at(5)).is_empty());
+        assert_eq!(run(&spike_at(6)).len(), 1);
+    }
+
+    #[test]
+    fn template_collapse_from_the_cross_logprob_matrix() {
+        // Diverse reasoning: each trace is far likelier under its own prompt.
+        let n = 8;
+        let diverse: Vec<Vec<f64>> =
+            (0..n).map(|i| (0..n).map(|j| if i == j { -10.0 } else { -30.0 }).collect()).collect();
+        let truth: Vec<usize> = (0..n).collect();
+        let d = mutual_information(&diverse, &truth).unwrap();
+        assert_eq!(d.retrieval_accuracy, 1.0);
+        assert!((d.mi - (n as f64).ln()).abs() < 1e-6, "near the ln N bound: {d:?}");
+        // A template: every prompt gives every trace the same score.
+        let flat = vec![vec![-12.0; n]; n];
+        let t = mutual_information(&flat, &truth).unwrap();
+        assert!(t.mi.abs() < 1e-12);
+        assert!((t.retrieval_accuracy - 1.0 / n as f64).abs() < 1e-12, "ties give chance: {t:?}");
+        assert!((t.conditional_entropy - 12.0).abs() < 1e-12 && (t.marginal_entropy - 12.0).abs() < 1e-12);
+
+        let mut mon = EchoTrapMonitor::new(EchoSettings::default());
+        assert!(mon.observe(5, &d.to_metrics()).is_empty());
+        let a = mon.observe(10, &t.to_metrics());
+        assert_eq!(a.len(), 1);
+        assert_eq!((a[0].kind, a[0].since), (AlarmKind::TemplateCollapse, 10));
+        assert!(a[0].message.contains("retrieval accuracy 0.125 vs chance 0.125"), "{}", a[0].message);
+        assert!(mon.observe(15, &t.to_metrics()).is_empty(), "announced once, not every time");
+    }
+
+    #[test]
+    fn mutual_information_matches_a_hand_computed_two_by_two() {
+        // p(z0|x0)=0.5 p(z0|x1)=0.25; p(z1|x0)=0.125 p(z1|x1)=0.5
+        let l = |p: f64| p.ln();
+        let m = vec![vec![l(0.5), l(0.25)], vec![l(0.125), l(0.5)]];
+        let r = mutual_information(&m, &[0, 1]).unwrap();
+        let h_cond = -(l(0.5) + l(0.5)) / 2.0;
+        let h_marg = -(l(0.375) + l(0.3125)) / 2.0;
+        assert!((r.conditional_entropy - h_cond).abs() < 1e-12);
+        assert!((r.marginal_entropy - h_marg).abs() < 1e-12);
+        assert!((r.mi - (h_marg - h_cond)).abs() < 1e-12);
+        assert_eq!(r.retrieval_accuracy, 1.0);
+        let err = mutual_information(&m, &[0]).unwrap_err().to_string();
+        assert!(err.contains("2 traces (rows) but 1"), "{err}");
+    }
+
+    #[test]
+    fn repetition_counts_every_member_of_a_duplicate_set() {
+        assert_eq!(repetition(&["a", "b", "c", "d"]), 0.0);
+        assert_eq!(repetition(&["pick  Dragon", "pick Dragon ", "b", "c"]), 0.5);
+        assert_eq!(repetition(&["x", "x", "x"]), 1.0);
+        assert_eq!(repetition::<&str>(&[]), 0.0);
+    }
+
+    #[test]
+    fn settings_parse_partially_and_reject_unknown_keys() {
+        let s: EchoSettings = serde_json::from_str(r#"{"spike_factor": 3.0}"#).unwrap();
+        assert_eq!(s.spike_factor, 3.0);
+        assert_eq!(s.cliff_fraction, EchoSettings::default().cliff_fraction);
+        let err = serde_json::from_str::<EchoSettings>(r#"{"spike_factr": 3.0}"#).unwrap_err();
+        assert!(err.to_string().contains("spike_factr"));
+    }
+}

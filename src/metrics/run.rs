@@ -1,0 +1,249 @@
+//! Reading a run directory back (docs/contracts.md, "The run directory"): the metrics lines, the
+//! events, the rollout files, and the alarms, for `plot` and `view`.
+//!
+//! A run may still be going: a last line without its newline is a write in progress and is
+//! skipped; any other bad line is an error naming the file and line.
+use super::echo_trap::{self, EchoSettings};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+/// One JSON object per line. Missing file → empty (a run that has not logged yet).
+pub fn read_jsonl(path: &Path) -> Result<Vec<Map<String, Value>>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let complete = text.ends_with('\n');
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = vec![];
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        match serde_json::from_str::<Value>(line) {
+            Ok(Value::Object(m)) => out.push(m),
+            // The trainer is mid-write: the next reload will have it.
+            Err(_) if i + 1 == lines.len() && !complete => {}
+            Ok(_) => bail!("{}:{}: expected a JSON object per line", path.display(), i + 1),
+            Err(e) => bail!("{}:{}: {e}", path.display(), i + 1),
+        }
+    }
+    Ok(out)
+}
+
+/// `metrics.jsonl`, sorted by step (a resumed run may repeat steps: the later line wins).
+pub fn read_metrics(path: &Path) -> Result<Vec<Map<String, Value>>> {
+    let mut lines = read_jsonl(path)?;
+    let mut seen = HashSet::new();
+    lines.reverse();
+    lines.retain(|l| seen.insert(step_of(l)));
+    lines.sort_by_key(step_of);
+    Ok(lines)
+}
+
+/// The `step` of a metrics, event or trajectory line (0 if absent).
+pub fn step_of(line: &Map<String, Value>) -> u64 {
+    line.get("step").and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// (step, value) for every line that has a finite `key`.
+pub fn series(lines: &[Map<String, Value>], key: &str) -> Vec<(u64, f64)> {
+    lines
+        .iter()
+        .filter_map(|l| Some((step_of(l), l.get(key)?.as_f64().filter(|x| x.is_finite())?)))
+        .collect()
+}
+
+/// An alarm as shown by plots and the viewer.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct AlarmMark {
+    pub kind: String,
+    pub step: u64,
+    pub since: u64,
+    pub message: String,
+    /// "run" when the trainer recorded it, "replay" when recomputed here from metrics.jsonl.
+    pub source: &'static str,
+}
+
+/// A non-alarm event worth marking on the step axis (script swap, reload error, validation…).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EventMark {
+    pub step: u64,
+    pub kind: String,
+    pub message: String,
+}
+
+/// A rollout file: `rollouts/step-000001.jsonl` or `rollouts/val-step-000010.jsonl`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RolloutFile {
+    pub step: u64,
+    pub validation: bool,
+    pub path: PathBuf,
+}
+
+/// Everything but the trajectories, read once.
+#[derive(Clone, Debug)]
+pub struct Run {
+    pub dir: PathBuf,
+    pub name: String,
+    pub settings: Option<Value>,
+    pub metrics: Vec<Map<String, Value>>,
+    pub events: Vec<EventMark>,
+    pub alarms: Vec<AlarmMark>,
+    pub rollouts: Vec<RolloutFile>,
+}
+
+impl Run {
+    /// Reads `dir`; fails if it does not look like a run directory at all.
+    pub fn open(dir: &Path) -> Result<Run> {
+        if !dir.is_dir() {
+            bail!("{}: no such run directory (expected runs/<name>/ from `ragen-lab train`)", dir.display());
+        }
+        let has_any = ["metrics.jsonl", "settings.json", "rollouts"].iter().any(|f| dir.join(f).exists());
+        if !has_any {
+            bail!("{}: not a run directory (no metrics.jsonl, settings.json or rollouts/)", dir.display());
+        }
+        let settings = match std::fs::read_to_string(dir.join("settings.json")) {
+            Ok(t) => Some(
+                serde_json::from_str(&t).with_context(|| format!("parsing {}", dir.join("settings.json").display()))?,
+            ),
+            Err(_) => None,
+        };
+        let metrics = read_metrics(&dir.join("metrics.jsonl"))?;
+        let raw_events = read_jsonl(&dir.join("events.jsonl"))?;
+        let echo = echo_settings(settings.as_ref());
+        let alarms = alarms(&metrics, &raw_events, &echo);
+        let events = raw_events
+            .iter()
+            .filter(|e| e.get("kind").and_then(Value::as_str) != Some("alarm"))
+            .map(|e| EventMark {
+                step: step_of(e),
+                kind: e.get("kind").and_then(Value::as_str).unwrap_or("event").to_string(),
+                message: e.get("message").and_then(Value::as_str).unwrap_or("").to_string(),
+            })
+            .collect();
+        let name = dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| dir.display().to_string());
+        Ok(Run { dir: dir.to_path_buf(), name, settings, metrics, events, alarms, rollouts: rollout_files(dir)? })
+    }
+}
+
+/// The run's own `echo` thresholds when settings.json has them, else the defaults.
+fn echo_settings(settings: Option<&Value>) -> EchoSettings {
+    settings
+        .and_then(|s| s.get("echo").or_else(|| s.get("settings").and_then(|s| s.get("echo"))))
+        .and_then(|e| serde_json::from_value(e.clone()).ok())
+        .unwrap_or_default()
+}
+
+/// Recorded alarms (events.jsonl, the metrics lines' `alarms`) plus those a replay of the metrics
+/// finds that were not recorded, one per (kind, since), in step order.
+pub fn alarms(metrics: &[Map<String, Value>], events: &[Map<String, Value>], echo: &EchoSettings) -> Vec<AlarmMark> {
+    let text = |m: &Map<String, Value>, k: &str| m.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let mut out: Vec<AlarmMark> = vec![];
+    for e in events.iter().filter(|e| e.get("kind").and_then(Value::as_str) == Some("alarm")) {
+        let step = step_of(e);
+        let kind = e.get("alarm").and_then(Value::as_str).unwrap_or("alarm").to_string();
+        let since = e.get("since").and_then(Value::as_u64).unwrap_or(step);
+        out.push(AlarmMark { kind, step, since, message: text(e, "message"), source: "run" });
+    }
+    for line in metrics {
+        for a in line.get("alarms").and_then(Value::as_array).into_iter().flatten() {
+            let Some(a) = a.as_object() else { continue };
+            let step = step_of(line);
+            let since = a.get("since").and_then(Value::as_u64).unwrap_or(step);
+            out.push(AlarmMark { kind: text(a, "kind"), step, since, message: text(a, "message"), source: "run" });
+        }
+    }
+    for a in echo_trap::replay(echo, metrics.iter().map(|l| (step_of(l), l))) {
+        out.push(AlarmMark { kind: a.kind.as_str().into(), step: a.step, since: a.since, message: a.message, source: "replay" });
+    }
+    let mut seen = HashSet::new();
+    out.retain(|a| seen.insert((a.kind.clone(), a.since)));
+    out.sort_by_key(|a| (a.step, a.since));
+    out
+}
+
+/// The rollout files under `dir/rollouts/`, by step (training before validation at a step).
+pub fn rollout_files(dir: &Path) -> Result<Vec<RolloutFile>> {
+    let root = dir.join("rollouts");
+    let Ok(entries) = std::fs::read_dir(&root) else { return Ok(vec![]) };
+    let mut out = vec![];
+    for e in entries {
+        let e = e.with_context(|| format!("listing {}", root.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".jsonl") else { continue };
+        let (validation, num) = match stem.strip_prefix("val-step-") {
+            Some(n) => (true, n),
+            None => match stem.strip_prefix("step-") {
+                Some(n) => (false, n),
+                None => continue,
+            },
+        };
+        if let Ok(step) = num.parse() {
+            out.push(RolloutFile { step, validation, path: e.path() });
+        }
+    }
+    out.sort_by_key(|r| (r.step, r.validation));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_half_written_last_line_is_skipped_but_a_bad_middle_line_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("metrics.jsonl");
+        std::fs::write(&p, "{\"step\":2,\"a\":1}\n{\"step\":1,\"a\":0}\n{\"step\":3,\"a\"").unwrap();
+        let m = read_metrics(&p).unwrap();
+        assert_eq!(m.iter().map(step_of).collect::<Vec<_>>(), vec![1, 2]);
+        std::fs::write(&p, "{\"step\":1}\nnot json\n{\"step\":3}\n").unwrap();
+        let err = read_metrics(&p).unwrap_err().to_string();
+        assert!(err.contains("metrics.jsonl:2:"), "{err}");
+    }
+
+    #[test]
+    fn a_resumed_run_keeps_the_later_line_of_a_repeated_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("metrics.jsonl");
+        std::fs::write(&p, "{\"step\":1,\"a\":0}\n{\"step\":2,\"a\":1}\n{\"step\":2,\"a\":5}\n").unwrap();
+        assert_eq!(series(&read_metrics(&p).unwrap(), "a"), vec![(1, 0.0), (2, 5.0)]);
+    }
+
+    #[test]
+    fn recorded_and_replayed_alarms_merge_without_duplicates() {
+        let metrics: Vec<Map<String, Value>> = (1..=10u64)
+            .map(|s| {
+                let g = if s == 8 { 40.0 } else { 1.0 };
+                serde_json::json!({"step": s, "update/grad_norm": g}).as_object().unwrap().clone()
+            })
+            .collect();
+        let recorded = serde_json::json!({"step": 8, "kind": "alarm", "alarm": "grad_norm_spike", "since": 8, "message": "m"});
+        let a = alarms(&metrics, &[recorded.as_object().unwrap().clone()], &EchoSettings::default());
+        assert_eq!(a.len(), 1, "{a:#?}");
+        assert_eq!((a[0].kind.as_str(), a[0].since, a[0].source), ("grad_norm_spike", 8, "run"));
+        let replayed = alarms(&metrics, &[], &EchoSettings::default());
+        assert_eq!(replayed[0].source, "replay");
+    }
+
+    #[test]
+    fn rollout_files_are_listed_by_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = dir.path().join("rollouts");
+        std::fs::create_dir_all(&r).unwrap();
+        for f in ["step-000010.jsonl", "val-step-000002.jsonl", "step-000002.jsonl", "notes.txt"] {
+            std::fs::write(r.join(f), "").unwrap();
+        }
+        let got: Vec<(u64, bool)> = rollout_files(dir.path()).unwrap().iter().map(|f| (f.step, f.validation)).collect();
+        assert_eq!(got, vec![(2, false), (2, true), (10, false)]);
+    }
+}
