@@ -1,0 +1,292 @@
+//! Environments as scripts: [`EnvScript`] (one compiled version), [`EnvInfo`] (what `describe`
+//! returns, with defaults filled in), [`Episode`] (one running episode: its state map and its own
+//! random stream) and [`StepOutcome`].
+//!
+//! The script contract (docs/scripting.md has a complete example):
+//! `fn params()` (optional) → default parameters; `fn describe(params)` → #{name, instruction, …};
+//! `fn reset(seed, params)` → the state map; `fn render(state)` → the observation text;
+//! `fn step(state, action)` → #{reward, done, success?, valid?, effective?}, mutating `state`;
+//! `fn valid_actions(state)` (optional) → the actions worth listing now.
+use std::sync::Arc;
+
+use rhai::Dynamic;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::engine::{Host, Script};
+use super::error::ScriptError;
+use super::params;
+use crate::rng::Rng;
+
+pub(crate) fn to_dynamic(v: &impl Serialize, script: &str) -> Result<Dynamic, ScriptError> {
+    rhai::serde::to_dynamic(v).map_err(|e| ScriptError::new(script, format!("cannot pass a value to the script: {e}")))
+}
+
+pub(crate) fn to_json(v: &Dynamic) -> Result<Value, String> {
+    rhai::serde::from_dynamic::<Value>(v).map_err(|e| e.to_string())
+}
+
+/// Rhai's name for a value's type, in words for messages.
+pub(crate) fn type_word(v: &Dynamic) -> String {
+    match v.type_name() {
+        "()" => "nothing (`()`: a missing return?)".into(),
+        "map" => "a map".into(),
+        "array" => "an array".into(),
+        "string" => "a string".into(),
+        "i64" => "an integer".into(),
+        "f64" => "a float".into(),
+        "bool" => "a bool".into(),
+        other => other.to_string(),
+    }
+}
+
+/// What an environment says about itself (`describe(params)`), defaults filled in.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EnvInfo {
+    pub name: String,
+    /// Action names, matched case-insensitively; empty = free-text actions (e.g. math answers).
+    pub actions: Vec<String>,
+    /// Turns (model responses) per episode. Default 5.
+    pub max_turns: usize,
+    /// Env steps per episode over all turns. Default `max_turns * max_actions_per_turn`.
+    pub max_actions: usize,
+    /// Actions one response may hold. Default 5 (1 for free-text envs).
+    pub max_actions_per_turn: usize,
+    /// The task, as the first user message states it.
+    pub instruction: String,
+    /// What the observation's symbols mean ("" when there are none).
+    pub legend: String,
+    /// Any other keys `describe` returned, for prompt templates.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl EnvInfo {
+    fn from_value(script: &str, v: Value) -> Result<Self, ScriptError> {
+        let err = |m: String| ScriptError::new(script, format!("describe must return {m}"));
+        let Value::Object(mut m) = v else {
+            return Err(err(format!("a map like #{{name: \"grid\", instruction: \"…\", actions: [\"Up\", …]}}; got {v}")));
+        };
+        let mut take_str = |key: &str, required: bool| -> Result<String, ScriptError> {
+            match m.remove(key) {
+                Some(Value::String(s)) => Ok(s),
+                None if !required => Ok(String::new()),
+                None => Err(err(format!("a map with `{key}` (string)"))),
+                Some(other) => Err(err(format!("`{key}` as a string; got {other}"))),
+            }
+        };
+        let name = take_str("name", true)?;
+        let instruction = take_str("instruction", true)?;
+        let legend = take_str("legend", false)?;
+        let actions = match m.remove("actions") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .into_iter()
+                .map(|x| match x {
+                    Value::String(s) => Ok(s),
+                    other => Err(err(format!("`actions` as an array of strings; found {other}"))),
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => return Err(err(format!("`actions` as an array of strings; got {other}"))),
+        };
+        let mut take_count = |key: &str| -> Result<Option<usize>, ScriptError> {
+            match m.remove(key) {
+                None => Ok(None),
+                Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => Ok(Some(n.as_u64().unwrap_or(1) as usize)),
+                Some(other) => Err(err(format!("`{key}` as a positive integer; got {other}"))),
+            }
+        };
+        let max_turns = take_count("max_turns")?.unwrap_or(5);
+        let per_turn = take_count("max_actions_per_turn")?.unwrap_or(if actions.is_empty() { 1 } else { 5 });
+        let max_actions = take_count("max_actions")?.unwrap_or(max_turns * per_turn);
+        Ok(Self { name, actions, max_turns, max_actions, max_actions_per_turn: per_turn, instruction, legend, extra: m })
+    }
+}
+
+/// The result of one `step`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepOutcome {
+    pub reward: f64,
+    pub done: bool,
+    pub success: bool,
+    /// The action was one the env accepts (else it is counted as invalid and usually a no-op).
+    pub valid: bool,
+    /// The action changed the state (a bump into a wall is valid but not effective).
+    pub effective: bool,
+}
+
+const STEP_SHAPE: &str = "#{reward: <number>, done: <bool>} with optional `success`, `valid`, `effective` (bools)";
+
+impl StepOutcome {
+    fn from_dynamic(script: &str, v: &Dynamic) -> Result<Self, ScriptError> {
+        let err = |m: String| ScriptError::new(script, format!("step must return a map {STEP_SHAPE}; {m}"));
+        let Some(map) = v.read_lock::<rhai::Map>() else {
+            return Err(err(format!("got {}", type_word(v))));
+        };
+        let num = |k: &str| -> Result<Option<f64>, ScriptError> {
+            match map.get(k) {
+                None => Ok(None),
+                Some(x) if x.is_int() => Ok(Some(x.as_int().unwrap_or(0) as f64)),
+                Some(x) if x.is_float() => Ok(Some(x.as_float().unwrap_or(0.0))),
+                Some(x) => Err(err(format!("`{k}` is {}", type_word(x)))),
+            }
+        };
+        let flag = |k: &str| -> Result<Option<bool>, ScriptError> {
+            match map.get(k) {
+                None => Ok(None),
+                Some(x) => x.as_bool().map(Some).map_err(|_| err(format!("`{k}` is {}", type_word(x)))),
+            }
+        };
+        if let Some(k) = map.keys().find(|k| !["reward", "done", "success", "valid", "effective"].contains(&k.as_str())) {
+            return Err(err(format!("unknown key `{k}`")));
+        }
+        let reward = num("reward")?.ok_or_else(|| err("`reward` is missing".into()))?;
+        if !reward.is_finite() {
+            return Err(err(format!("`reward` is {reward}")));
+        }
+        let done = flag("done")?.ok_or_else(|| err("`done` is missing".into()))?;
+        let valid = flag("valid")?.unwrap_or(true);
+        Ok(Self { reward, done, success: flag("success")?.unwrap_or(false), valid, effective: flag("effective")?.unwrap_or(valid) })
+    }
+}
+
+/// One compiled environment script. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct EnvScript(Arc<Script>);
+
+impl EnvScript {
+    /// The functions an env must define, with their parameters.
+    pub const REQUIRED: [(&'static str, &'static [&'static str]); 4] =
+        [("describe", &["params"]), ("reset", &["seed", "params"]), ("render", &["state"]), ("step", &["state", "action"])];
+
+    pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
+        Self::from_script(host.compile(path)?)
+    }
+
+    /// Checks the required functions are present.
+    pub fn from_script(script: Arc<Script>) -> Result<Self, ScriptError> {
+        script.require_fns(&Self::REQUIRED)?;
+        Ok(Self(script))
+    }
+
+    pub fn script(&self) -> &Arc<Script> {
+        &self.0
+    }
+
+    /// The content hash (16 hex digits).
+    pub fn version(&self) -> &str {
+        self.0.version()
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// `fn params()`'s defaults (empty when the script has none).
+    pub fn default_params(&self) -> Result<Map<String, Value>, ScriptError> {
+        if !self.0.has_fn("params", 0) {
+            return Ok(Map::new());
+        }
+        let v = self.0.call("params", (), None)?;
+        match to_json(&v) {
+            Ok(Value::Object(m)) => Ok(m),
+            _ => Err(ScriptError::new(self.name(), format!("params must return a map of defaults like #{{size: 6}}; got {}", type_word(&v)))),
+        }
+    }
+
+    /// Defaults with `--param key=value` overrides applied.
+    pub fn params(&self, overrides: &[(String, String)]) -> Result<Map<String, Value>, ScriptError> {
+        params::apply(self.name(), &self.default_params()?, overrides).map_err(|m| ScriptError::new(self.name(), m))
+    }
+
+    /// Defaults with a map of typed values merged in (an experiment's `params`).
+    pub fn params_from(&self, given: &Map<String, Value>) -> Result<Map<String, Value>, ScriptError> {
+        params::merge(self.name(), &self.default_params()?, given).map_err(|m| ScriptError::new(self.name(), m))
+    }
+
+    pub fn info(&self, params: &Map<String, Value>) -> Result<EnvInfo, ScriptError> {
+        let v = self.0.call("describe", (to_dynamic(params, self.name())?,), None)?;
+        let json = to_json(&v).map_err(|e| ScriptError::new(self.name(), format!("describe returned something unreadable: {e}")))?;
+        EnvInfo::from_value(self.name(), json)
+    }
+
+    /// Starts an episode. The start state draws only from `Rng::new(seed)`, so every episode of a
+    /// group (same seed) starts alike; `step` draws from `Rng::derive(seed, stream)`.
+    pub fn reset(&self, seed: u64, stream: u64, params: &Map<String, Value>) -> Result<Episode, ScriptError> {
+        let mut start = Rng::new(seed);
+        let p = to_dynamic(params, self.name())?;
+        let state = self.0.call("reset", (seed as rhai::INT, p), Some(&mut start))?;
+        if !state.is_map() {
+            return Err(ScriptError::new(self.name(), format!("reset must return the state as a map like #{{player: 0}}; got {}", type_word(&state))));
+        }
+        Ok(Episode {
+            env: self.clone(),
+            state: state.into_shared(),
+            rng: Rng::derive(seed, stream),
+            seed,
+            stream,
+            params: params.clone(),
+            steps: 0,
+            done: false,
+        })
+    }
+}
+
+/// One running episode: the env version it started with, its state and its random stream.
+#[derive(Debug)]
+pub struct Episode {
+    env: EnvScript,
+    /// Shared, so that `step(state, action)` can mutate it in place.
+    state: Dynamic,
+    rng: Rng,
+    pub seed: u64,
+    pub stream: u64,
+    params: Map<String, Value>,
+    /// Steps taken so far.
+    pub steps: usize,
+    pub done: bool,
+}
+
+impl Episode {
+    pub fn env(&self) -> &EnvScript {
+        &self.env
+    }
+
+    pub fn render(&self) -> Result<String, ScriptError> {
+        let v = self.env.0.call("render", (self.state.clone(),), None)?;
+        v.into_string().map_err(|t| ScriptError::new(self.env.name(), format!("render must return a string; got {t}")))
+    }
+
+    pub fn step(&mut self, action: &str) -> Result<StepOutcome, ScriptError> {
+        if self.done {
+            return Err(ScriptError::new(self.env.name(), "step called after the episode finished"));
+        }
+        let v = self.env.0.call("step", (self.state.clone(), action.to_string()), Some(&mut self.rng))?;
+        let out = StepOutcome::from_dynamic(self.env.name(), &v)?;
+        if !self.state.is_map() {
+            return Err(ScriptError::new(self.env.name(), format!("step replaced the state with {}; mutate the map's fields instead", type_word(&self.state))));
+        }
+        self.steps += 1;
+        self.done = out.done;
+        Ok(out)
+    }
+
+    /// `valid_actions(state)` when defined, else every action in `describe`.
+    pub fn valid_actions(&self) -> Result<Vec<String>, ScriptError> {
+        if !self.env.0.has_fn("valid_actions", 1) {
+            return Ok(self.env.info(&self.params)?.actions);
+        }
+        let v = self.env.0.call("valid_actions", (self.state.clone(),), None)?;
+        match to_json(&v) {
+            Ok(Value::Array(a)) if a.iter().all(Value::is_string) => {
+                Ok(a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+            }
+            _ => Err(ScriptError::new(self.env.name(), format!("valid_actions must return an array of strings; got {}", type_word(&v)))),
+        }
+    }
+
+    /// The state map as JSON (for determinism checks and debugging).
+    pub fn state_json(&self) -> Value {
+        to_json(&self.state).unwrap_or(Value::Null)
+    }
+}

@@ -1,0 +1,104 @@
+//! Experiment scripts (`scripts/*.rhai`): `fn experiment()` names the env, the prompt template,
+//! the reward shaping chain, the env parameters (and a held-out variant for validation) and the
+//! training settings. Settings are passed through untouched; the trainer validates them.
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use super::engine::Host;
+use super::env::{to_json, type_word, EnvScript};
+use super::error::ScriptError;
+use super::prompt::PromptScript;
+use super::reward::RewardScript;
+
+/// A loaded experiment: paths are resolved against the project directory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Experiment {
+    pub path: PathBuf,
+    pub env: PathBuf,
+    pub prompt: PathBuf,
+    pub rewards: Vec<PathBuf>,
+    /// Env parameters for training (over the env's defaults).
+    pub params: Map<String, Value>,
+    /// Parameters of the held-out variant used for validation, if any.
+    pub val_params: Option<Map<String, Value>>,
+    /// Training settings as the script wrote them (keys are the trainer's setting names).
+    pub settings: Map<String, Value>,
+}
+
+/// The env, prompt and reward scripts an experiment names, compiled.
+#[derive(Clone, Debug)]
+pub struct ExperimentScripts {
+    pub env: EnvScript,
+    pub prompt: PromptScript,
+    pub rewards: Vec<RewardScript>,
+}
+
+const SHAPE: &str = "#{env: \"envs/x.rhai\", prompt: \"prompts/ragen.rhai\", rewards: [\"rewards/format_penalty.rhai\"], params: #{}, val_params: #{}, settings: #{}}";
+
+impl Experiment {
+    pub fn load(host: &Arc<Host>, path: &Path) -> Result<Self, ScriptError> {
+        let script = host.compile(path)?;
+        script.require_fns(&[("experiment", &[])])?;
+        let name = script.name.clone();
+        let v = script.call("experiment", (), None)?;
+        let err = |m: String| ScriptError::new(&name, format!("experiment must return a map like {SHAPE}; {m}"));
+        let Ok(Value::Object(mut m)) = to_json(&v) else {
+            return Err(err(format!("got {}", type_word(&v))));
+        };
+        let file = |m: &mut Map<String, Value>, key: &str| -> Result<PathBuf, ScriptError> {
+            let p = match m.remove(key) {
+                Some(Value::String(s)) => s,
+                None => return Err(err(format!("`{key}` is missing"))),
+                Some(other) => return Err(err(format!("`{key}` must be a path string; got {other}"))),
+            };
+            let full = host.project().join(&p);
+            if !full.is_file() {
+                return Err(ScriptError::new(&name, format!("`{key}`: no such script {p} (paths are relative to {})", host.project().display())));
+            }
+            Ok(full)
+        };
+        let env = file(&mut m, "env")?;
+        let prompt = file(&mut m, "prompt")?;
+        let rewards = match m.remove("rewards") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => {
+                let mut out = Vec::new();
+                for r in a {
+                    let mut one = Map::new();
+                    one.insert("rewards".into(), r);
+                    out.push(file(&mut one, "rewards")?);
+                }
+                out
+            }
+            Some(other) => return Err(err(format!("`rewards` must be an array of paths; got {other}"))),
+        };
+        let mut map = |key: &str| -> Result<Option<Map<String, Value>>, ScriptError> {
+            match m.remove(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::Object(o)) => Ok(Some(o)),
+                Some(other) => Err(err(format!("`{key}` must be a map; got {other}"))),
+            }
+        };
+        let params = map("params")?.unwrap_or_default();
+        let val_params = map("val_params")?;
+        let settings = map("settings")?.unwrap_or_default();
+        if let Some(k) = m.keys().next() {
+            return Err(err(format!("unknown key `{k}`")));
+        }
+        Ok(Self { path: script.path.clone(), env, prompt, rewards, params, val_params, settings })
+    }
+
+    /// Compiles the scripts it names and checks `params`/`val_params` against the env's parameters.
+    pub fn scripts(&self, host: &Arc<Host>) -> Result<ExperimentScripts, ScriptError> {
+        let env = EnvScript::load(host, &self.env)?;
+        env.params_from(&self.params)?;
+        if let Some(v) = &self.val_params {
+            env.params_from(v)?;
+        }
+        let prompt = PromptScript::load(host, &self.prompt)?;
+        let rewards = self.rewards.iter().map(|r| RewardScript::load(host, r)).collect::<Result<_, _>>()?;
+        Ok(ExperimentScripts { env, prompt, rewards })
+    }
+}

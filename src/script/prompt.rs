@@ -1,0 +1,70 @@
+//! Prompt templates as scripts ([`PromptScript`]): `fn system(info)` gives the system message and
+//! `fn user(info, turn)` each user message, from the env's description ([`EnvInfo`]) and the
+//! turn's [`TurnContext`]. The host assembles `[system, user 1, assistant 1, user 2, …]`.
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::engine::{Host, Script};
+use super::env::{to_dynamic, type_word, EnvInfo};
+use super::error::ScriptError;
+
+/// What a template knows about the turn it writes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TurnContext {
+    /// 1-based.
+    pub turn: usize,
+    /// The env's rendered observation.
+    pub obs: String,
+    /// Env steps left in the episode.
+    pub actions_left: usize,
+    /// The previous turn's reward (`()` in the script on the first turn).
+    pub prev_reward: Option<f64>,
+    /// Whether to ask for a `<think>` block before the answer.
+    pub think: bool,
+    /// The response length stated in the prompt ("Max response length: N words (tokens)").
+    pub max_tokens: usize,
+}
+
+/// One compiled prompt template. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct PromptScript(Arc<Script>);
+
+impl PromptScript {
+    pub const REQUIRED: [(&'static str, &'static [&'static str]); 2] = [("system", &["info"]), ("user", &["info", "turn"])];
+
+    pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
+        Self::from_script(host.compile(path)?)
+    }
+
+    pub fn from_script(script: Arc<Script>) -> Result<Self, ScriptError> {
+        script.require_fns(&Self::REQUIRED)?;
+        Ok(Self(script))
+    }
+
+    pub fn script(&self) -> &Arc<Script> {
+        &self.0
+    }
+
+    pub fn version(&self) -> &str {
+        self.0.version()
+    }
+
+    fn text(&self, f: &str, v: rhai::Dynamic) -> Result<String, ScriptError> {
+        v.into_string().map_err(|t| ScriptError::new(&self.0.name, format!("{f} must return a string; got {t}")))
+    }
+
+    pub fn system(&self, info: &EnvInfo) -> Result<String, ScriptError> {
+        let v = self.0.call("system", (to_dynamic(info, &self.0.name)?,), None)?;
+        self.text("system", v)
+    }
+
+    pub fn user(&self, info: &EnvInfo, turn: &TurnContext) -> Result<String, ScriptError> {
+        let args = (to_dynamic(info, &self.0.name)?, to_dynamic(turn, &self.0.name)?);
+        let v = self.0.call("user", args, None)?;
+        if v.is_unit() {
+            return Err(ScriptError::new(&self.0.name, format!("user must return a string; got {}", type_word(&v))));
+        }
+        self.text("user", v)
+    }
+}
