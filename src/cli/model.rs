@@ -1,11 +1,144 @@
-//! `ragen-lab model …` (being built).
+//! `ragen-lab model …`: inspect a model, chat with it (streamed), score a text's tokens.
+//!
+//! MODEL is anything `--model` takes: an HF folder, a `.gguf` file, a preset (`tiny-llama`,
+//! `tiny-qwen2`), a known short name (`smollm2-135m`) or a hub id in the Hugging Face cache.
+use std::io::Write;
+
+use anyhow::{anyhow, Result};
+use candle_core::Device;
+use serde_json::json;
+
+use crate::policy::{GenerationConfig, Message, Policy, TokenBatch};
+use crate::rng::Rng;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
     /// Architecture, parameter count, dtype, context length, chat template, special tokens.
-    Info {},
+    Info {
+        /// The model: HF folder, .gguf file, preset, short name or hub id.
+        model: String,
+    },
+    /// One chat reply to a prompt, streamed to the terminal as it is generated.
+    Chat {
+        /// The model: HF folder, .gguf file, preset, short name or hub id.
+        model: String,
+        /// The user message.
+        #[arg(long)]
+        prompt: String,
+        /// An optional system message (the chat template's default otherwise).
+        #[arg(long)]
+        system: Option<String>,
+        /// Most tokens in the reply.
+        #[arg(long, default_value_t = 256)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy (deterministic).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        /// Nucleus sampling threshold (1 = off).
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        /// Seed of the sampler.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Per-token log-probs of a text as given (no chat template); position 0 has none.
+    Score {
+        /// The model: HF folder, .gguf file, preset, short name or hub id.
+        model: String,
+        /// The text to score.
+        #[arg(long)]
+        text: String,
+        /// Print `{"tokens":[ids…],"logprobs":[null, …]}` instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
-pub fn run(_cmd: Command) -> anyhow::Result<()> {
-    anyhow::bail!("`ragen-lab model` is not built yet")
+/// CUDA device 0 when built with `cuda` and one is present, else the CPU.
+pub fn device() -> Device {
+    Device::cuda_if_available(0).unwrap_or(Device::Cpu)
+}
+
+pub fn run(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Info { model } => info(&Policy::load(&model, &device())?),
+        Command::Chat { model, prompt, system, max_tokens, temperature, top_p, seed } => {
+            let policy = Policy::load(&model, &device())?;
+            let mut messages: Vec<Message> = system.map(Message::system).into_iter().collect();
+            messages.push(Message::user(prompt));
+            let cfg = GenerationConfig { max_new_tokens: max_tokens, temperature, top_p, ..Default::default() };
+            chat(&policy, &messages, &cfg, seed)
+        }
+        Command::Score { model, text, json } => score(&Policy::load(&model, &device())?, &text, json),
+    }
+}
+
+fn info(p: &Policy) -> Result<()> {
+    let c = &p.model.cfg;
+    let token = |id: u32| p.tokenizer.id_to_token(id).unwrap_or_else(|| "?".into());
+    println!("source:          {}", p.source);
+    println!("architecture:    {} ({})", c.family.architecture(), c.family.model_type());
+    println!("parameters:      {} ({:.1} M)", c.num_params(), c.num_params() as f64 / 1e6);
+    println!("dtype:           f32 (as loaded for training)");
+    println!("context length:  {}", c.max_position_embeddings);
+    println!(
+        "shape:           {} layers, hidden {}, ffn {}, {} heads ({} kv, head_dim {}), vocab {}",
+        c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size
+    );
+    println!("rope theta:      {}   rms eps: {}   tied embeddings: {}", c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings);
+    for field in ["bos_token", "eos_token", "pad_token"] {
+        let v = p.tokenizer_config.get(field).map_or("none".to_string(), |v| v.to_string());
+        println!("{:<17}{v}", format!("{field}:"));
+    }
+    let stops: Vec<String> = p.stop_ids.iter().map(|&i| format!("{i} {}", token(i))).collect();
+    println!("stop ids:        {}", stops.join(", "));
+    match &p.chat_template {
+        Some(t) => println!("chat template:\n{}", t.source),
+        None => println!("chat template:   none"),
+    }
+    Ok(())
+}
+
+fn chat(p: &Policy, messages: &[Message], cfg: &GenerationConfig, seed: u64) -> Result<()> {
+    let prompt = p.chat_tokens(messages, true)?.ids;
+    let mut stream = p.tokenizer.decode_stream(true);
+    let mut out = std::io::stdout().lock();
+    let mut err = None;
+    let gens = p.generate_with(&[prompt], cfg, &mut Rng::new(seed), |_, id| {
+        // Print each piece as soon as it forms whole characters.
+        match stream.step(id) {
+            Ok(Some(piece)) => {
+                let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
+            }
+            Ok(None) => {}
+            Err(e) => err = Some(anyhow!("decoding: {e}")),
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    writeln!(out)?;
+    let g = &gens[0];
+    eprintln!("[{} tokens, finish: {:?}]", g.ids.len(), g.finish);
+    Ok(())
+}
+
+fn score(p: &Policy, text: &str, as_json: bool) -> Result<()> {
+    let ids = p.encode(text)?;
+    if ids.is_empty() {
+        return Err(anyhow!("--text tokenizes to no tokens"));
+    }
+    let scored = p.token_logprobs_no_grad(&TokenBatch::new(&[ids.clone()], p.pad_id)?)?;
+    let lps = scored.logprobs.squeeze(0)?.to_vec1::<f32>()?;
+    let logprobs: Vec<Option<f32>> = lps.iter().enumerate().map(|(i, &x)| (i > 0).then_some(x)).collect();
+    if as_json {
+        println!("{}", json!({ "tokens": ids, "logprobs": logprobs }));
+        return Ok(());
+    }
+    for (i, (&id, lp)) in ids.iter().zip(&logprobs).enumerate() {
+        let tok = p.tokenizer.id_to_token(id).unwrap_or_default();
+        let lp = lp.map_or("-".to_string(), |x| format!("{x:.4}"));
+        println!("{i:>5} {id:>7} {lp:>10}  {tok:?}");
+    }
+    Ok(())
 }

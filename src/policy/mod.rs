@@ -1,1 +1,172 @@
-//! (module under construction; see DESIGN.md)
+//! The policy: a pretrained causal LM (Llama or Qwen2 family) on candle that ragen-lab samples
+//! from (rollouts) and trains (per-token log-probs with gradients).
+//!
+//! - [`model`]: the decoder, two modes over the same `Var`s (differentiable / fast + KV cache).
+//! - [`config`]: the shape, from `config.json` or GGUF metadata.
+//! - [`load`]: HF folders and GGUF files in, HF folders (and GGUF for the presets) out.
+//! - [`tokenizer`], [`chat`]: byte-level BPE, chat templates with the assistant loss mask.
+//! - [`sample`]: batched generation; [`logprob`]: differentiable scoring; [`critic`]: PPO's value model.
+//! - [`preset`]: tiny random models of both families for tests; [`resolve`]: model specs → files.
+//!
+//! [`Policy`] ties them together; its methods are the interface the agent and the trainer use
+//! (docs/contracts.md, "policy → agent/starpo").
+use std::path::Path;
+
+use anyhow::{anyhow, Context, Result};
+use candle_core::{Device, Var};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+pub mod chat;
+pub mod config;
+pub mod critic;
+pub mod load;
+pub mod logprob;
+pub mod model;
+pub mod preset;
+pub mod resolve;
+pub mod sample;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, ChatTokens, Message};
+pub use critic::Critic;
+pub use logprob::{Scored, TokenBatch};
+pub use model::Decoder;
+pub use resolve::ModelLocation;
+pub use sample::{Finish, Generation, GenerationConfig};
+
+/// A loaded model with its tokenizer and chat template.
+pub struct Policy {
+    pub model: Decoder,
+    pub tokenizer: Tokenizer,
+    /// `None` when the model ships none (a base model): `chat_tokens` then fails clearly.
+    pub chat_template: Option<ChatTemplate>,
+    /// tokenizer_config.json as loaded (written back by `save`).
+    pub tokenizer_config: Value,
+    /// Ids that end a generation: the config's EOS ids and the end-of-turn tokens in the vocabulary.
+    pub stop_ids: Vec<u32>,
+    /// Filler for padded positions (pad token, else the first stop id); never scored.
+    pub pad_id: u32,
+    /// Where the weights came from, for `model info` and logs.
+    pub source: String,
+}
+
+/// A special token in tokenizer_config.json: a string or `{"content": …}`.
+fn special_token(tc: &Value, field: &str) -> Option<String> {
+    match tc.get(field)? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `chat_template` is a string, or a list of named templates of which "default" is the one.
+fn template_source(tc: &Value) -> Option<String> {
+    match tc.get("chat_template")? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(ts) => ts
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template").and_then(Value::as_str))
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Policy {
+    /// Load from a spec: an HF folder, a `.gguf` file, a preset (`tiny-llama`, `tiny-qwen2`), a
+    /// known short name (`smollm2-135m`) or a hub id; fetched into the cache when missing.
+    pub fn load(spec: &str, device: &Device) -> Result<Self> {
+        let location = resolve::Resolver::from_env()?.resolve_or_fetch(spec)?;
+        Self::from_location(&location, device)
+    }
+
+    /// Load what a spec resolved to.
+    pub fn from_location(location: &ModelLocation, device: &Device) -> Result<Self> {
+        match location {
+            ModelLocation::HfDir(dir) => Self::from_loaded(load::load_hf_dir(dir, device)?, dir.display().to_string()),
+            ModelLocation::Gguf(path) => Self::from_loaded(load::load_gguf(path, device)?, path.display().to_string()),
+            ModelLocation::Preset(name) => Self::preset(name, device),
+        }
+    }
+
+    /// A tiny preset, written as an HF folder to a scratch directory and read back by the HF loader.
+    pub fn preset(name: &str, device: &Device) -> Result<Self> {
+        let dir = std::env::temp_dir().join(format!("ragen-lab-{name}-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let loaded = preset::write_hf(name, &dir).and_then(|_| load::load_hf_dir(&dir, device));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self::from_loaded(loaded?, format!("preset {name}"))
+    }
+
+    fn from_loaded(l: load::Loaded, source: String) -> Result<Self> {
+        let tc = l.tokenizer_config;
+        let bos = special_token(&tc, "bos_token").unwrap_or_default();
+        let eos = special_token(&tc, "eos_token").unwrap_or_default();
+        let chat_template = match template_source(&tc) {
+            Some(src) => Some(ChatTemplate::new(src, bos, eos.clone()).with_context(|| format!("{source}: chat_template"))?),
+            None => None,
+        };
+        let mut stop_ids = l.eos_ids;
+        // End-of-turn tokens stop generation too, when the tokenizer has them as special tokens.
+        let mut specials: Vec<(u32, String)> =
+            l.tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(i, t)| (i, t.content)).collect();
+        specials.sort();
+        for (id, content) in specials {
+            if (chat::END_OF_TURN.contains(&content.as_str()) || content == eos) && !stop_ids.contains(&id) {
+                stop_ids.push(id);
+            }
+        }
+        let pad_id = special_token(&tc, "pad_token")
+            .and_then(|p| l.tokenizer.token_to_id(&p))
+            .or(stop_ids.first().copied())
+            .unwrap_or(0);
+        Ok(Self { model: l.model, tokenizer: l.tokenizer, chat_template, tokenizer_config: tc, stop_ids, pad_id, source })
+    }
+
+    pub fn device(&self) -> &Device {
+        self.model.device()
+    }
+
+    /// Render `messages` with the chat template and tokenize, with the assistant loss mask.
+    pub fn chat_tokens(&self, messages: &[Message], add_generation_prompt: bool) -> Result<ChatTokens> {
+        let t = self.chat_template.as_ref().ok_or_else(|| {
+            anyhow!("{}: the model has no chat template (tokenizer_config.json chat_template)", self.source)
+        })?;
+        t.tokens(&self.tokenizer, messages, add_generation_prompt)
+    }
+
+    /// Token ids of plain text, special tokens added as the tokenizer's post-processor says
+    /// (like HF `tokenizer(text)`).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| anyhow!("tokenizing: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))
+    }
+
+    /// Every trainable weight.
+    pub fn vars(&self) -> Vec<Var> {
+        self.model.named_vars().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Save as a Hugging Face folder (config.json, model.safetensors, tokenizer files).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        load::save_hf_dir(dir, &self.model, &self.tokenizer, &self.tokenizer_config)
+    }
+
+    /// A frozen copy of the weights (the reference model for a KL term).
+    pub fn deep_copy(&self) -> Result<Self> {
+        Ok(Self {
+            model: self.model.deep_copy()?,
+            tokenizer: self.tokenizer.clone(),
+            chat_template: self.chat_template.clone(),
+            tokenizer_config: self.tokenizer_config.clone(),
+            stop_ids: self.stop_ids.clone(),
+            pad_id: self.pad_id,
+            source: self.source.clone(),
+        })
+    }
+}

@@ -1,0 +1,197 @@
+//! Chat templates: render system/user/assistant messages with the model's own Jinja template
+//! (minijinja, configured like transformers' sandbox: trim_blocks, lstrip_blocks, `raise_exception`,
+//! a few Python string methods) and tokenize them with the loss mask over assistant tokens.
+//!
+//! The mask is found by rendering prefixes of the conversation: assistant message k's text is
+//! what `render(msgs[..=k])` adds after `render(msgs[..k], add_generation_prompt)`, cut after
+//! its end-of-turn token (`<|im_end|>`, `<|eot_id|>`). So the role header is never in the mask,
+//! the content and the closing token are, and any template that renders prefixes stably works.
+use anyhow::{anyhow, bail, Result};
+use minijinja::value::Value;
+use minijinja::{Environment, Error, ErrorKind, State};
+use serde::{Deserialize, Serialize};
+use tokenizers::Tokenizer;
+
+/// ChatML as Qwen2.5 and SmolLM2 use it (without their default system prompts).
+pub const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// Llama-3's format (without the tool-calling and date parts of 3.1+).
+pub const LLAMA3: &str = "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+/// Tokens that close a turn in the formats we know; the first one found ends the loss mask.
+pub const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<|endoftext|>"];
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: impl Into<String>) -> Self {
+        Self { role: role.to_string(), content: content.into() }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// Token ids of a rendered conversation and, per token, whether it is an assistant token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatTokens {
+    pub ids: Vec<u32>,
+    pub assistant_mask: Vec<bool>,
+}
+
+/// A chat template with the special-token strings it may refer to.
+#[derive(Clone, Debug)]
+pub struct ChatTemplate {
+    pub source: String,
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+/// Python `str` methods that HF templates call (`content.strip()`, `role.startswith('…')`).
+fn python_methods(_: &State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+    let s = value.as_str().ok_or_else(|| Error::from(ErrorKind::UnknownMethod))?;
+    let arg = |i: usize| args.get(i).and_then(Value::as_str).unwrap_or_default().to_string();
+    Ok(match method {
+        "strip" => Value::from(s.trim()),
+        "lstrip" => Value::from(s.trim_start()),
+        "rstrip" => Value::from(s.trim_end()),
+        "lower" => Value::from(s.to_lowercase()),
+        "upper" => Value::from(s.to_uppercase()),
+        "startswith" => Value::from(s.starts_with(&arg(0))),
+        "endswith" => Value::from(s.ends_with(&arg(0))),
+        "split" if !args.is_empty() => Value::from(s.split(&arg(0)).map(str::to_string).collect::<Vec<_>>()),
+        "split" => Value::from(s.split_whitespace().map(str::to_string).collect::<Vec<_>>()),
+        _ => return Err(Error::from(ErrorKind::UnknownMethod)),
+    })
+}
+
+impl ChatTemplate {
+    pub fn new(source: impl Into<String>, bos_token: impl Into<String>, eos_token: impl Into<String>) -> Result<Self> {
+        let t = Self { source: source.into(), bos_token: bos_token.into(), eos_token: eos_token.into() };
+        t.render(&[Message::user("check")], true).map_err(|e| anyhow!("the chat template does not render: {e:#}"))?;
+        Ok(t)
+    }
+
+    /// The conversation as text, as `tokenizer.apply_chat_template(tokenize=False)` gives it.
+    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.set_unknown_method_callback(python_methods);
+        let tmpl = env.template_from_str(&self.source).map_err(|e| anyhow!("chat template: {e:#}"))?;
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        };
+        tmpl.render(ctx).map_err(|e| anyhow!("chat template: {e:#}"))
+    }
+
+    /// Byte spans of the rendered text that belong to assistant turns (see the module doc).
+    fn assistant_spans(&self, messages: &[Message], full: &str) -> Result<Vec<(usize, usize)>> {
+        let mut spans = vec![];
+        for (k, m) in messages.iter().enumerate() {
+            if m.role != "assistant" {
+                continue;
+            }
+            let before = self.render(&messages[..k], true)?;
+            let upto = self.render(&messages[..=k], false)?;
+            if !upto.starts_with(&before) || !full.starts_with(&upto) {
+                bail!("the chat template does not render conversation prefixes stably, so the assistant mask of message {k} cannot be found");
+            }
+            let turn = &upto[before.len()..];
+            let end = END_OF_TURN
+                .iter()
+                .filter_map(|e| turn.find(e).map(|i| i + e.len()))
+                .min()
+                .unwrap_or(turn.len());
+            spans.push((before.len(), before.len() + end));
+        }
+        Ok(spans)
+    }
+
+    /// Render and tokenize. The template writes any BOS itself, so the tokenizer adds none
+    /// (no doubled BOS).
+    pub fn tokens(&self, tok: &Tokenizer, messages: &[Message], add_generation_prompt: bool) -> Result<ChatTokens> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let spans = self.assistant_spans(messages, &text)?;
+        let enc = tok.encode(text.as_str(), false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
+        let assistant_mask = enc
+            .get_offsets()
+            .iter()
+            .map(|&(start, _)| spans.iter().any(|&(s, e)| start >= s && start < e))
+            .collect();
+        Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tokenizer::train_bpe;
+    use super::*;
+
+    fn conversation() -> Vec<Message> {
+        vec![
+            Message::system("You are a helpful assistant."),
+            Message::user("Go Up or Down?"),
+            Message::assistant("<think>Up</think><answer>Up</answer>"),
+            Message::user("Reward:\n1"),
+            Message::assistant("<answer>Down</answer>"),
+        ]
+    }
+
+    /// The masked tokens decode to exactly the assistant contents, each with its end-of-turn token.
+    fn check_mask(template: &str, specials: &[&str], bos: &str, eot: &str) {
+        let tok = train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer> assistant user system"], 400, specials)
+            .unwrap();
+        let t = ChatTemplate::new(template, bos, eot).unwrap();
+        let ct = t.tokens(&tok, &conversation(), false).unwrap();
+        assert_eq!(ct.ids.len(), ct.assistant_mask.len());
+        let masked: Vec<u32> = ct.ids.iter().zip(&ct.assistant_mask).filter(|(_, &m)| m).map(|(&i, _)| i).collect();
+        let text = tok.decode(&masked, false).unwrap();
+        assert_eq!(text, format!("<think>Up</think><answer>Up</answer>{eot}<answer>Down</answer>{eot}"));
+        let bos_id = tok.token_to_id(bos);
+        assert!(bos_id.is_none() || ct.ids.iter().filter(|&&i| Some(i) == bos_id).count() == 1, "one BOS");
+    }
+
+    #[test]
+    fn chatml_mask_covers_assistant_content_and_im_end_only() {
+        check_mask(CHATML, &["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "", "<|im_end|>");
+    }
+
+    #[test]
+    fn llama3_mask_and_single_bos() {
+        let specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"];
+        check_mask(LLAMA3, &specials, "<|begin_of_text|>", "<|eot_id|>");
+    }
+
+    #[test]
+    fn generation_prompt_ends_with_the_assistant_header() {
+        let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        let s = t.render(&[Message::user("hi")], true).unwrap();
+        assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn raise_exception_and_python_methods_work() {
+        let src = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}{{ messages[0]['content'].strip() }}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        assert_eq!(t.render(&[Message::user("  x ")], false).unwrap(), "x");
+        let err = t.render(&[Message::system("s")], false).unwrap_err();
+        assert!(format!("{err:#}").contains("first must be user"), "{err:#}");
+    }
+}

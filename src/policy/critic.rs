@@ -1,0 +1,103 @@
+//! PPO's critic: a separate copy of the policy's backbone with a linear value head on the final
+//! hidden states (RAGEN/veRL initialise the critic from the same pretrained model). Saved as an
+//! HF folder with the backbone under its usual names plus `score.weight`/`score.bias`, the
+//! layout of `*ForTokenClassification` with one label.
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, Context, Result};
+use candle_core::{Device, Tensor, Var};
+use serde_json::json;
+
+use super::config::Config;
+use super::logprob::TokenBatch;
+use super::model::{normal, Decoder, Mode};
+use super::Policy;
+use crate::rng::Rng;
+
+pub struct Critic {
+    /// The backbone; it has no lm_head (its config says tied so none is built or saved).
+    pub backbone: Decoder,
+    /// `[1, H]`.
+    pub score_weight: Var,
+    /// `[1]`.
+    pub score_bias: Var,
+}
+
+impl Critic {
+    /// A critic initialised from the policy's weights, value head N(0, 0.02²), bias 0.
+    pub fn from_policy(policy: &Policy, seed: u64) -> Result<Self> {
+        let src = &policy.model;
+        let mut cfg = src.cfg.clone();
+        cfg.tie_word_embeddings = true; // no lm_head: values come from the hidden states
+        let named: HashMap<String, Tensor> =
+            src.named_vars().into_iter().map(|(n, v)| Ok((n, v.as_tensor().copy()?))).collect::<Result<_>>()?;
+        let backbone = Decoder::from_tensors(cfg, |name, _| named.get(name).cloned().context(name.to_string()))?;
+        let h = backbone.cfg.hidden_size;
+        let mut rng = Rng::new(seed);
+        let w: Vec<f32> = (0..h).map(|_| 0.02 * normal(&mut rng)).collect();
+        let dev = backbone.device().clone();
+        Ok(Self {
+            score_weight: Var::from_tensor(&Tensor::from_vec(w, (1, h), &dev)?)?,
+            score_bias: Var::zeros(1, candle_core::DType::F32, &dev)?,
+            backbone,
+        })
+    }
+
+    /// Values at every position, `[B, T]` (position t: the state after `ids[..=t]`); 0 past a
+    /// row's length. Differentiable.
+    pub fn values(&self, batch: &TokenBatch) -> Result<Tensor> {
+        let dev = self.backbone.device();
+        let (b, t) = (batch.rows, batch.len);
+        let hidden = self.backbone.hidden(&batch.ids_tensor(dev)?, &vec![0; b], None, Mode::Train)?;
+        let h = hidden.dim(2)?;
+        let v = hidden.reshape((b * t, h))?.matmul(&self.score_weight.as_tensor().t()?)?;
+        let v = v.broadcast_add(self.score_bias.as_tensor())?.reshape((b, t))?;
+        let valid: Vec<f32> =
+            (0..b).flat_map(|r| (0..t).map(move |i| (i < batch.lengths[r]) as u8 as f32)).collect();
+        Ok((v * Tensor::from_vec(valid, (b, t), dev)?)?)
+    }
+
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        let mut out = self.backbone.named_vars();
+        out.push(("score.weight".into(), self.score_weight.clone()));
+        out.push(("score.bias".into(), self.score_bias.clone()));
+        out
+    }
+
+    pub fn vars(&self) -> Vec<Var> {
+        self.named_vars().into_iter().map(|(_, v)| v).collect()
+    }
+
+    /// Write `config.json` and `model.safetensors` to `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut cfg = self.backbone.cfg.to_hf_json();
+        let arch = cfg["architectures"][0].as_str().unwrap_or_default().replace("CausalLM", "TokenClassification");
+        cfg["architectures"] = json!([arch]);
+        cfg["num_labels"] = json!(1);
+        let path = dir.join("config.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&cfg)?).with_context(|| format!("writing {}", path.display()))?;
+        let tensors: HashMap<String, Tensor> =
+            self.named_vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
+        let path = dir.join("model.safetensors");
+        candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// Read a critic written by `save`.
+    pub fn load(dir: &Path, device: &Device) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let mut cfg = Config::from_hf_json(&serde_json::from_str(&text)?, &path)?;
+        cfg.tie_word_embeddings = true;
+        let path = dir.join("model.safetensors");
+        let mut t = candle_core::safetensors::load(&path, device).with_context(|| format!("reading {}", path.display()))?;
+        let mut take = |name: &str| t.remove(name).ok_or_else(|| anyhow!("{}: missing tensor {name}", path.display()));
+        let backbone = Decoder::from_tensors(cfg, |name, _| take(name))?;
+        Ok(Self {
+            score_weight: Var::from_tensor(&take("score.weight")?)?,
+            score_bias: Var::from_tensor(&take("score.bias")?)?,
+            backbone,
+        })
+    }
+}

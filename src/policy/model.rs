@@ -1,0 +1,385 @@
+//! The decoder: Llama and Qwen2 families in one block (RMSNorm, RoPE, grouped-query attention,
+//! SwiGLU; Qwen2 adds a Q/K/V bias), weights as candle `Var`s under their Hugging Face names.
+//!
+//! One forward pass serves two modes over the same weights:
+//! - `Mode::Train`: differentiable ops only (`rms_norm_slow`, a composite RoPE, `ops::softmax`),
+//!   so every weight receives a gradient. candle's fused ops silently cut the graph
+//!   (shared/notes/candle-cpu.md §1).
+//! - `Mode::Sample`: fused no-grad kernels and a pre-allocated `KvCache`.
+//!
+//! Rows carry their own positions: `starts[b]` is the index of row b's first real token, so a
+//! left-padded row's first token sits at RoPE position 0 and its padding is masked out of
+//! attention. Right padding needs no mask beyond causality (starts are 0). No file I/O here.
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::config::Config;
+use crate::rng::Rng;
+
+/// Which ops the forward pass uses (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Train,
+    Sample,
+}
+
+/// A projection `y = x Wᵀ (+ b)`, `W` as HF stores it: `[out, in]`.
+pub struct Linear {
+    pub weight: Var,
+    pub bias: Option<Var>,
+}
+
+impl Linear {
+    /// # Shapes
+    /// x: [N, in] → [N, out]
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = x.matmul(&self.weight.as_tensor().t()?)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b.as_tensor())?,
+            None => y,
+        })
+    }
+}
+
+pub struct Layer {
+    pub input_layernorm: Var,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    pub post_attention_layernorm: Var,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// The transformer with its weights. `lm_head` is `None` when tied to `embed_tokens`.
+pub struct Decoder {
+    pub cfg: Config,
+    pub embed_tokens: Var,
+    pub layers: Vec<Layer>,
+    pub norm: Var,
+    pub lm_head: Option<Var>,
+}
+
+/// Keys and values of every layer, allocated once for `capacity` positions.
+pub struct KvCache {
+    /// Per layer: k, v as [B, n_kv, capacity, head_dim].
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    pub fn new(cfg: &Config, batch: usize, capacity: usize, device: &Device) -> Result<Self> {
+        let shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|_| Ok((Tensor::zeros(shape, DType::F32, device)?, Tensor::zeros(shape, DType::F32, device)?)))
+            .collect::<Result<_>>()?;
+        Ok(Self { layers, len: 0, capacity })
+    }
+
+    /// Positions filled so far (the same for every row).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// `(name, shape)` of every weight in HF naming and order.
+pub fn weight_names(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let q = cfg.num_attention_heads * cfg.head_dim;
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h])];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            out.push((format!("{p}.self_attn.{name}.weight"), vec![rows, h]));
+            if cfg.family.qkv_bias() {
+                out.push((format!("{p}.self_attn.{name}.bias"), vec![rows]));
+            }
+        }
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// A standard normal draw (Box-Muller) from the project's seeded generator.
+pub(crate) fn normal(rng: &mut Rng) -> f32 {
+    let u1 = rng.next_f64().max(f64::MIN_POSITIVE);
+    let u2 = rng.next_f64();
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+impl Decoder {
+    /// Build from named tensors; `get(name, shape)` returns the tensor for an HF weight name
+    /// (the loader checks the shape and names the file in its errors).
+    pub fn from_tensors(cfg: Config, mut get: impl FnMut(&str, &[usize]) -> Result<Tensor>) -> Result<Self> {
+        cfg.validate()?;
+        let mut vars = std::collections::HashMap::new();
+        for (name, shape) in weight_names(&cfg) {
+            let t = get(&name, &shape)?.to_dtype(DType::F32)?;
+            if t.dims() != shape.as_slice() {
+                bail!("tensor {name} has shape {:?}, the config expects {:?}", t.dims(), shape);
+            }
+            vars.insert(name, Var::from_tensor(&t)?);
+        }
+        fn take(vars: &mut std::collections::HashMap<String, Var>, name: &str) -> Result<Var> {
+            vars.remove(name).with_context(|| format!("missing tensor {name}"))
+        }
+        let linear = |vars: &mut std::collections::HashMap<String, Var>, p: &str, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: take(vars, &format!("{p}.weight"))?,
+                bias: if bias { Some(take(vars, &format!("{p}.bias"))?) } else { None },
+            })
+        };
+        let qkv_bias = cfg.family.qkv_bias();
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                q_proj: linear(&mut vars, &format!("{p}.self_attn.q_proj"), qkv_bias)?,
+                k_proj: linear(&mut vars, &format!("{p}.self_attn.k_proj"), qkv_bias)?,
+                v_proj: linear(&mut vars, &format!("{p}.self_attn.v_proj"), qkv_bias)?,
+                o_proj: linear(&mut vars, &format!("{p}.self_attn.o_proj"), false)?,
+                gate_proj: linear(&mut vars, &format!("{p}.mlp.gate_proj"), false)?,
+                up_proj: linear(&mut vars, &format!("{p}.mlp.up_proj"), false)?,
+                down_proj: linear(&mut vars, &format!("{p}.mlp.down_proj"), false)?,
+                input_layernorm: take(&mut vars, &format!("{p}.input_layernorm.weight"))?,
+                post_attention_layernorm: take(&mut vars, &format!("{p}.post_attention_layernorm.weight"))?,
+            });
+        }
+        Ok(Self {
+            embed_tokens: take(&mut vars, "model.embed_tokens.weight")?,
+            norm: take(&mut vars, "model.norm.weight")?,
+            lm_head: if cfg.tie_word_embeddings { None } else { Some(take(&mut vars, "lm_head.weight")?) },
+            layers,
+            cfg,
+        })
+    }
+
+    /// Random weights of the real architecture: N(0, 0.02) matrices, norms near 1, small biases.
+    pub fn random(cfg: Config, seed: u64, device: &Device) -> Result<Self> {
+        let mut rng = Rng::new(seed);
+        Self::from_tensors(cfg, |name, shape| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = if name.ends_with("norm.weight") {
+                (0..n).map(|_| 1.0 + 0.1 * normal(&mut rng)).collect()
+            } else if name.ends_with(".bias") {
+                (0..n).map(|_| 0.1 * normal(&mut rng)).collect()
+            } else {
+                (0..n).map(|_| 0.02 * normal(&mut rng)).collect()
+            };
+            Ok(Tensor::from_vec(data, shape, device)?)
+        })
+    }
+
+    /// Every weight with its HF name, in HF order (the tied lm_head is not listed twice).
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
+        for (l, layer) in self.layers.iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            out.push((format!("{p}.input_layernorm.weight"), layer.input_layernorm.clone()));
+            for (name, lin) in [("q_proj", &layer.q_proj), ("k_proj", &layer.k_proj), ("v_proj", &layer.v_proj)] {
+                out.push((format!("{p}.self_attn.{name}.weight"), lin.weight.clone()));
+                if let Some(b) = &lin.bias {
+                    out.push((format!("{p}.self_attn.{name}.bias"), b.clone()));
+                }
+            }
+            out.push((format!("{p}.self_attn.o_proj.weight"), layer.o_proj.weight.clone()));
+            out.push((format!("{p}.post_attention_layernorm.weight"), layer.post_attention_layernorm.clone()));
+            out.push((format!("{p}.mlp.gate_proj.weight"), layer.gate_proj.weight.clone()));
+            out.push((format!("{p}.mlp.up_proj.weight"), layer.up_proj.weight.clone()));
+            out.push((format!("{p}.mlp.down_proj.weight"), layer.down_proj.weight.clone()));
+        }
+        out.push(("model.norm.weight".to_string(), self.norm.clone()));
+        if let Some(h) = &self.lm_head {
+            out.push(("lm_head.weight".to_string(), h.clone()));
+        }
+        out
+    }
+
+    /// A deep copy with fresh `Var`s (a reference model, or the critic's backbone).
+    pub fn deep_copy(&self) -> Result<Self> {
+        let named: std::collections::HashMap<String, Tensor> =
+            self.named_vars().into_iter().map(|(n, v)| Ok((n, v.as_tensor().copy()?))).collect::<Result<_>>()?;
+        Self::from_tensors(self.cfg.clone(), |name, _| {
+            named.get(name).cloned().with_context(|| format!("missing tensor {name}"))
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
+    }
+
+    /// The output projection `[V, H]` (the embedding matrix when tied).
+    pub fn lm_head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens).as_tensor()
+    }
+
+    /// # Shapes
+    /// hidden: [N, H] → logits [N, V]
+    pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(hidden.matmul(&self.lm_head_weight().t()?)?)
+    }
+
+    /// The final hidden states (after the last RMSNorm) for `ids`.
+    ///
+    /// With a cache, `ids` continue the cached positions and their keys/values are appended.
+    /// # Shapes
+    /// ids: [B, T] u32, starts: [B] → [B, T, H]
+    pub fn hidden(&self, ids: &Tensor, starts: &[usize], mut cache: Option<&mut KvCache>, mode: Mode) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if starts.len() != b {
+            bail!("{} row starts for a batch of {b}", starts.len());
+        }
+        let offset = cache.as_ref().map_or(0, |c| c.len);
+        if let Some(c) = &cache {
+            if offset + t > c.capacity {
+                bail!("kv cache full: {} + {t} positions > capacity {}", c.len, c.capacity);
+            }
+        }
+        let kv_len = offset + t;
+        let dev = self.device();
+        let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
+        let mask = attention_mask(b, t, offset, starts, dev)?;
+        let h = self.cfg.hidden_size;
+        let mut x = self.embed_tokens.as_tensor().index_select(&ids.flatten_all()?, 0)?; // [B*T, H]
+        for (l, layer) in self.layers.iter().enumerate() {
+            let kv = cache.as_deref_mut().map(|c| (&c.layers[l], offset));
+            let normed = rms_norm(&x, &layer.input_layernorm, self.cfg.rms_norm_eps, mode)?;
+            let attn = self.attention(layer, &normed, b, t, kv_len, &cos, &sin, &mask, kv, mode)?;
+            x = (x + attn)?;
+            let normed = rms_norm(&x, &layer.post_attention_layernorm, self.cfg.rms_norm_eps, mode)?;
+            let gate = layer.gate_proj.forward(&normed)?.silu()?;
+            let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed)?)?)?;
+            x = (x + mlp)?;
+        }
+        if let Some(c) = cache {
+            c.len = kv_len;
+        }
+        Ok(rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, mode)?.reshape((b, t, h))?)
+    }
+
+    /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
+    fn rope_tables(&self, b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
+        let half = self.cfg.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (self.cfg.rope_theta as f32).powf((2 * i) as f32 / self.cfg.head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(b * t * half);
+        let mut sin = Vec::with_capacity(b * t * half);
+        for &start in starts {
+            for j in 0..t {
+                let pos = (offset + j).saturating_sub(start) as f32;
+                for f in &inv_freq {
+                    let a = pos * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        }
+        Ok((Tensor::from_vec(cos, (b, t, half), dev)?, Tensor::from_vec(sin, (b, t, half), dev)?))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        b: usize,
+        t: usize,
+        kv_len: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &Tensor,
+        cache: Option<(&(Tensor, Tensor), usize)>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let cfg = &self.cfg;
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let group = nh / nkv;
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?) // [B, n, T, hd]
+        };
+        let q = rope(&heads(layer.q_proj.forward(x)?, nh)?, cos, sin, mode)?;
+        let k = rope(&heads(layer.k_proj.forward(x)?, nkv)?, cos, sin, mode)?;
+        let v = heads(layer.v_proj.forward(x)?, nkv)?;
+        let (k, v) = match cache {
+            Some(((ck, cv), offset)) => {
+                ck.slice_set(&k, 2, offset)?;
+                cv.slice_set(&v, 2, offset)?;
+                (ck.narrow(2, 0, kv_len)?, cv.narrow(2, 0, kv_len)?)
+            }
+            None => (k, v),
+        };
+        // Grouped-query attention without copying K/V per head: the `group` query heads that
+        // share a KV head are stacked along the query axis (HF's repeat_kv order).
+        let q = q.reshape((b, nkv, group * t, hd))?;
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // [B, nkv, g*T, L]
+        let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
+        let probs = match mode {
+            Mode::Train => candle_nn::ops::softmax(&scores, D::Minus1)?,
+            Mode::Sample => candle_nn::ops::softmax_last_dim(&scores)?,
+        };
+        let out = probs.reshape((b, nkv, group * t, kv_len))?.matmul(&v)?; // [B, nkv, g*T, hd]
+        let out = out.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b * t, nh * hd))?;
+        layer.o_proj.forward(&out)
+    }
+}
+
+/// Additive mask `[B, 1, 1, T, L]`: query j of row b (cache index offset+j) sees key s when
+/// s ≤ offset+j and s is not padding. A padding query still sees itself, so no softmax row is empty.
+fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<Tensor> {
+    let kv_len = offset + t;
+    let mut m = vec![0f32; b * t * kv_len];
+    for (row, &start) in starts.iter().enumerate() {
+        for j in 0..t {
+            let q = offset + j;
+            for s in 0..kv_len {
+                if s > q || (s < start && s != q) {
+                    m[(row * t + j) * kv_len + s] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(m, (b, 1, 1, t, kv_len), dev)?)
+}
+
+/// # Shapes
+/// x: [N, H], weight: [H] → [N, H]
+fn rms_norm(x: &Tensor, weight: &Var, eps: f64, mode: Mode) -> Result<Tensor> {
+    Ok(match mode {
+        Mode::Train => candle_nn::ops::rms_norm_slow(x, weight.as_tensor(), eps as f32)?,
+        Mode::Sample => candle_nn::ops::rms_norm(&x.contiguous()?, weight.as_tensor(), eps as f32)?,
+    })
+}
+
+/// Rotary embedding, NeoX/HF "rotate_half" layout, per-row positions.
+/// # Shapes
+/// x: [B, n, T, hd], cos/sin: [B, T, hd/2] → [B, n, T, hd]
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<Tensor> {
+    if mode == Mode::Sample {
+        return Ok(candle_nn::rotary_emb::rope(x, cos, sin)?);
+    }
+    let hd = x.dim(D::Minus1)?;
+    let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?; // [B, 1, T, hd]
+    let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
+    let x1 = x.narrow(D::Minus1, 0, hd / 2)?;
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
+    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}

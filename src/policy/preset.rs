@@ -1,0 +1,126 @@
+//! Tiny presets `tiny-llama` and `tiny-qwen2`: random weights of the real architectures with a
+//! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus holding
+//! the envs' vocabulary, ChatML special tokens, a ChatML template). They are written to disk in
+//! the real formats (HF folder, GGUF) and loaded back through the real loaders, so tests and
+//! quick runs exercise the same code as a pretrained model.
+use std::path::Path;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+use serde_json::{json, Value};
+use tokenizers::Tokenizer;
+
+use super::chat::CHATML;
+use super::config::{Config, Family};
+use super::load::{save_gguf, save_hf_dir};
+use super::model::Decoder;
+use super::tokenizer::train_bpe;
+
+pub const NAMES: &[&str] = &["tiny-llama", "tiny-qwen2"];
+
+/// ChatML's special tokens; ids 0, 1, 2 in the tiny tokenizer.
+pub const SPECIAL_TOKENS: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// Vocabulary size of the tiny tokenizer (small so tiny models are fast).
+pub const VOCAB_SIZE: usize = 512;
+
+/// What the tiny tokenizer learns from: the words our envs, prompts and parsers use.
+const CORPUS: &[&str] = &[
+    "You are a helpful assistant. You are playing a game. Think step by step, then give your answer.",
+    "<think>I should go Up because the goal is above me.</think><answer>Up</answer>",
+    "<think>The box is to the Right, so I push Right.</think><answer>Right || Down</answer>",
+    "<think>Left is blocked. Down is free.</think><answer>Down</answer>",
+    "<think>The Dragon pays more than the Phoenix.</think><answer>Dragon</answer>",
+    "<think>The Phoenix is safer.</think><answer>Phoenix</answer>",
+    "Available actions: Up, Down, Left, Right. Reward:\n1.0\nTurn 2. Actions left: 3.",
+    "Choose between Dragon and Phoenix. Which arm do you pull? Reward:\n0\n",
+    "The player P stands on the floor. The goal G is two steps to the Left. # is a wall, _ is floor.",
+    "Sokoban: push the box X onto the target O. Frozen lake: avoid the holes H, reach the goal G.",
+    "0 1 2 3 4 5 6 7 8 9 10 12 25 42 100 3.14 -0.1 0.5 1.0",
+    "user assistant system user assistant system Hello! How can I help you today?",
+    "What is 3 + 4? The answer is 7. Which is bigger, 3 or 7? 7 is bigger.",
+    "Your answer must be in the format <think>...</think><answer>...</answer>.",
+    "Invalid action. Valid actions are Up, Down, Left and Right. You have 5 turns left.",
+];
+
+fn config(name: &str, vocab_size: usize) -> Result<Config> {
+    let family = match name {
+        "tiny-llama" => Family::Llama,
+        "tiny-qwen2" => Family::Qwen2,
+        _ => bail!("unknown preset {name:?} (presets: {})", NAMES.join(", ")),
+    };
+    Ok(Config {
+        family,
+        vocab_size,
+        hidden_size: 64,
+        intermediate_size: 128,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 16,
+        rms_norm_eps: if family == Family::Llama { 1e-5 } else { 1e-6 },
+        rope_theta: if family == Family::Llama { 10_000.0 } else { 1_000_000.0 },
+        max_position_embeddings: 2048,
+        // SmolLM2 ties its head; the tiny Qwen2 keeps its own to exercise that path.
+        tie_word_embeddings: family == Family::Llama,
+        bos_token_id: None,
+        eos_token_ids: vec![2], // <|im_end|>
+    })
+}
+
+fn tokenizer() -> Result<Tokenizer> {
+    train_bpe(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS)
+}
+
+fn tokenizer_config() -> Value {
+    json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": false,
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": false,
+        "chat_template": CHATML,
+    })
+}
+
+/// The preset's model and tokenizer, in memory (seeded: always the same weights).
+fn build(name: &str, device: &Device) -> Result<(Decoder, Tokenizer)> {
+    let tok = tokenizer()?;
+    let cfg = config(name, tok.get_vocab_size(true))?;
+    let seed = NAMES.iter().position(|n| *n == name).unwrap_or(0) as u64 + 1;
+    Ok((Decoder::random(cfg, seed, device)?, tok))
+}
+
+/// Write preset `name` as a Hugging Face folder.
+pub fn write_hf(name: &str, dir: &Path) -> Result<()> {
+    let (model, tok) = build(name, &Device::Cpu)?;
+    save_hf_dir(dir, &model, &tok, &tokenizer_config())
+}
+
+/// Write preset `name` as a GGUF file (f32, Llama Q/K permuted as llama.cpp does).
+pub fn write_gguf(name: &str, path: &Path) -> Result<()> {
+    let (model, tok) = build(name, &Device::Cpu)?;
+    save_gguf(path, &model, &tok, &tokenizer_config())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_vocab_is_small_and_holds_the_env_words_whole() {
+        let tok = tokenizer().unwrap();
+        assert!(tok.get_vocab_size(true) <= 1024);
+        for (i, s) in SPECIAL_TOKENS.iter().enumerate() {
+            assert_eq!(tok.token_to_id(s), Some(i as u32));
+        }
+        // Byte-level BPE never merges across the pre-tokenizer's letter/punctuation split, so
+        // "<think>" is "<", "think", ">"; the words themselves are single tokens.
+        for word in ["think", "answer", " Dragon", " Phoenix", "Up", " Right"] {
+            let ids = tok.encode(word, false).unwrap();
+            assert_eq!(ids.get_ids().len(), 1, "{word:?} → {:?}", ids.get_tokens());
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Batched generation: prompts are left-padded into one batch, prefilled once into a
+//! pre-allocated KV cache, then decoded one token per row per step with the fused (no-grad)
+//! ops. Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
+//! token budget); finished rows ride along until every row is done. Sampling (temperature,
+//! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout.
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+use super::model::{KvCache, Mode};
+use super::Policy;
+use crate::rng::Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerationConfig {
+    pub max_new_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f64,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Text that ends a row's generation (e.g. `</answer>`); the text is cut after it.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: 0, stop_strings: vec![] }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Finish {
+    /// A stop id (EOS, `<|im_end|>`) was sampled; it is the last id.
+    Eos,
+    /// A stop string appeared in the text.
+    Stop,
+    /// The token budget ran out.
+    Length,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Generation {
+    /// The sampled ids, including a final stop id.
+    pub ids: Vec<u32>,
+    /// The decoded text without special tokens, cut right after a stop string.
+    pub text: String,
+    /// Per id: its log-probability under softmax(logits / temperature) before top-k/top-p
+    /// filtering (temperature 1 when greedy), the distribution training scores.
+    pub logprobs: Vec<f32>,
+    pub finish: Finish,
+}
+
+/// Pick a token from one row of logits; returns (id, log-prob as documented on `Generation`).
+fn pick(logits: &[f32], cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
+    let t = if cfg.temperature > 0.0 { cfg.temperature as f32 } else { 1.0 };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // log p_i = (z_i - max)/t - log Σ_j exp((z_j - max)/t)
+    let logsum = logits.iter().map(|&z| ((z - max) / t).exp()).sum::<f32>().ln();
+    let logprob = |i: usize| (logits[i] - max) / t - logsum;
+    if cfg.temperature <= 0.0 {
+        let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
+        return (best as u32, logprob(best));
+    }
+    let mut cand: Vec<(usize, f32)> = (0..logits.len()).map(|i| (i, logprob(i).exp())).collect();
+    if cfg.top_k > 0 || cfg.top_p < 1.0 {
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if cfg.top_k > 0 {
+            cand.truncate(cfg.top_k);
+        }
+        if cfg.top_p < 1.0 {
+            let mut acc = 0.0;
+            let keep = cand.iter().position(|&(_, p)| {
+                acc += p as f64;
+                acc >= cfg.top_p
+            });
+            cand.truncate(keep.map_or(cand.len(), |k| k + 1));
+        }
+    }
+    let total: f64 = cand.iter().map(|&(_, p)| p as f64).sum();
+    let mut u = rng.next_f64() * total;
+    for &(i, p) in &cand {
+        u -= p as f64;
+        if u < 0.0 {
+            return (i as u32, logprob(i));
+        }
+    }
+    let (i, _) = *cand.last().expect("at least one candidate");
+    (i as u32, logprob(i))
+}
+
+impl Policy {
+    /// Generate a continuation of every prompt (token ids, e.g. from `chat_tokens`).
+    pub fn generate(&self, prompts: &[Vec<u32>], cfg: &GenerationConfig, rng: &mut Rng) -> Result<Vec<Generation>> {
+        self.generate_with(prompts, cfg, rng, |_, _| {})
+    }
+
+    /// `generate`, calling `on_token(row, id)` as each id is sampled (for streaming).
+    pub fn generate_with(
+        &self,
+        prompts: &[Vec<u32>],
+        cfg: &GenerationConfig,
+        rng: &mut Rng,
+        mut on_token: impl FnMut(usize, u32),
+    ) -> Result<Vec<Generation>> {
+        let b = prompts.len();
+        if b == 0 {
+            return Ok(vec![]);
+        }
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            bail!("prompt {i} is empty: generation needs at least one token to condition on");
+        }
+        let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let starts: Vec<usize> = prompts.iter().map(|x| p - x.len()).collect();
+        let mut flat = Vec::with_capacity(b * p);
+        for (x, &s) in prompts.iter().zip(&starts) {
+            flat.extend(std::iter::repeat_n(self.pad_id, s));
+            flat.extend_from_slice(x);
+        }
+        let dev = self.device();
+        let mut cache = KvCache::new(&self.model.cfg, b, p + cfg.max_new_tokens, dev)?;
+        let hidden = self.model.hidden(&Tensor::from_vec(flat, (b, p), dev)?, &starts, Some(&mut cache), Mode::Sample)?;
+        let mut last = hidden.narrow(1, p - 1, 1)?.squeeze(1)?; // [B, H]
+        let mut out: Vec<Generation> = (0..b)
+            .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
+            .collect();
+        let mut done = vec![false; b];
+        for step in 0..cfg.max_new_tokens {
+            let logits = self.model.logits(&last)?.to_vec2::<f32>()?;
+            let mut next = vec![self.pad_id; b];
+            for row in 0..b {
+                if done[row] {
+                    continue;
+                }
+                let (id, lp) = pick(&logits[row], cfg, rng);
+                let g = &mut out[row];
+                g.ids.push(id);
+                g.logprobs.push(lp);
+                next[row] = id;
+                on_token(row, id);
+                if self.stop_ids.contains(&id) {
+                    g.finish = Finish::Eos;
+                    done[row] = true;
+                } else if !cfg.stop_strings.is_empty() {
+                    let text = self.decode(&g.ids)?;
+                    if cfg.stop_strings.iter().any(|s| text.contains(s.as_str())) {
+                        g.finish = Finish::Stop;
+                        done[row] = true;
+                    }
+                }
+            }
+            if done.iter().all(|&d| d) || step + 1 == cfg.max_new_tokens {
+                break;
+            }
+            let ids = Tensor::from_vec(next, (b, 1), dev)?;
+            last = self.model.hidden(&ids, &starts, Some(&mut cache), Mode::Sample)?.squeeze(1)?;
+        }
+        for g in &mut out {
+            g.text = self.decode(&g.ids)?;
+            if g.finish == Finish::Stop {
+                let end = cfg
+                    .stop_strings
+                    .iter()
+                    .filter_map(|s| g.text.find(s.as_str()).map(|i| i + s.len()))
+                    .min()
+                    .unwrap_or(g.text.len());
+                g.text.truncate(end);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Last-position logits after `ids` (one row, sampling path), for checks and the CLI.
+    pub fn next_token_logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let dev = self.device();
+        let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), dev)?;
+        let h = self.model.hidden(&x, &[0], None, Mode::Sample)?;
+        let last = h.narrow(1, ids.len() - 1, 1)?.squeeze(1)?;
+        Ok(self.model.logits(&last)?.squeeze(0)?.to_vec1::<f32>()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pick_is_greedy_at_zero_temperature_and_respects_top_k() {
+        let logits = [0.0f32, 3.0, 1.0, 2.9];
+        let mut rng = Rng::new(1);
+        let greedy = GenerationConfig { temperature: 0.0, ..Default::default() };
+        let (id, lp) = pick(&logits, &greedy, &mut rng);
+        assert_eq!(id, 1);
+        let z: f32 = logits.iter().map(|x| x.exp()).sum();
+        assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-6);
+        let top2 = GenerationConfig { top_k: 2, ..Default::default() };
+        for _ in 0..200 {
+            let (id, _) = pick(&logits, &top2, &mut rng);
+            assert!(id == 1 || id == 3);
+        }
+        let nucleus = GenerationConfig { top_p: 0.01, ..Default::default() };
+        assert_eq!(pick(&logits, &nucleus, &mut rng).0, 1);
+    }
+}

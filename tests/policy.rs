@@ -1,0 +1,365 @@
+//! The policy on the tiny presets, through the real loaders: the two forward paths agree,
+//! gradients reach every weight and match finite differences, an AdamW step lowers the loss,
+//! batched generation equals one-at-a-time generation, HF/GGUF/save round trips, the critic,
+//! and the `model` CLI's public JSON.
+use std::collections::HashMap;
+use std::process::Command;
+
+use candle_core::{Device, Tensor, Var};
+use candle_nn::Optimizer;
+use ragen_lab::policy::logprob::accumulate_grads;
+use ragen_lab::policy::model::{KvCache, Mode};
+use ragen_lab::policy::{preset, Critic, Finish, GenerationConfig, Message, ModelLocation, Policy, TokenBatch};
+use ragen_lab::rng::Rng;
+
+const PRESETS: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
+
+fn load(name: &str) -> Policy {
+    Policy::load(name, &Device::Cpu).unwrap()
+}
+
+fn chat(p: &Policy, user: &str) -> Vec<u32> {
+    let m = [Message::system("You are playing a game."), Message::user(user)];
+    p.chat_tokens(&m, true).unwrap().ids
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// Σ over scored positions of the taken tokens' log-probs.
+fn total_logprob(p: &Policy, batch: &TokenBatch) -> Tensor {
+    p.token_logprobs(batch).unwrap().logprobs.sum_all().unwrap()
+}
+
+fn batch(p: &Policy) -> TokenBatch {
+    let a = chat(p, "Go Up or Down?");
+    let b = chat(p, "Which is bigger, 3 or 7? Answer in <answer></answer>.");
+    TokenBatch::new(&[a, b], p.pad_id).unwrap()
+}
+
+#[test]
+fn training_path_and_cached_sampling_path_give_the_same_logits() {
+    for name in PRESETS {
+        let p = load(name);
+        let ids = chat(&p, "Dragon or Phoenix?");
+        let t = ids.len();
+        let x = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let h = p.model.hidden(&x, &[0], None, Mode::Train).unwrap().squeeze(0).unwrap();
+        let train = p.model.logits(&h).unwrap(); // [T, V]
+        // Sampling path: prefill half, then one token at a time through the KV cache.
+        let mut cache = KvCache::new(&p.model.cfg, 1, t, &Device::Cpu).unwrap();
+        let half = t / 2;
+        let mut rows = vec![];
+        let pre = x.narrow(1, 0, half).unwrap();
+        rows.push(p.model.hidden(&pre, &[0], Some(&mut cache), Mode::Sample).unwrap().squeeze(0).unwrap());
+        for i in half..t {
+            let step = x.narrow(1, i, 1).unwrap();
+            rows.push(p.model.hidden(&step, &[0], Some(&mut cache), Mode::Sample).unwrap().squeeze(0).unwrap());
+        }
+        let sample = p.model.logits(&Tensor::cat(&rows, 0).unwrap()).unwrap();
+        let d = max_abs_diff(&train, &sample);
+        assert!(d <= 1e-4, "{name}: train vs sample logits differ by {d}");
+    }
+}
+
+#[test]
+fn every_weight_gets_a_nonzero_gradient() {
+    for name in PRESETS {
+        let p = load(name);
+        let grads = total_logprob(&p, &batch(&p)).backward().unwrap();
+        for (n, v) in p.model.named_vars() {
+            let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{name}: no gradient for {n}"));
+            let norm = g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(norm > 0.0 && norm.is_finite(), "{name}: gradient of {n} has norm² {norm}");
+        }
+    }
+}
+
+fn nudge(v: &Var, idx: usize, delta: f32) {
+    let shape = v.as_tensor().shape().clone();
+    let mut data = v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    data[idx] += delta;
+    v.set(&Tensor::from_vec(data, shape, &Device::Cpu).unwrap()).unwrap();
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    for name in PRESETS {
+        let p = load(name);
+        let b = batch(&p);
+        let loss = |p: &Policy| (total_logprob(p, &b) / 100.0).unwrap();
+        let grads = loss(&p).backward().unwrap();
+        let vars: HashMap<String, Var> = p.model.named_vars().into_iter().collect();
+        let mut checked = vec![
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.1.input_layernorm.weight",
+            "model.norm.weight",
+        ];
+        if name == "tiny-qwen2" {
+            checked.extend(["model.layers.0.self_attn.v_proj.bias", "lm_head.weight"]);
+        }
+        for n in checked {
+            let v = &vars[n];
+            let g = grads.get(v.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            // The entry with the largest gradient: well above f32 round-off.
+            let idx = (0..g.len()).fold(0, |b, i| if g[i].abs() > g[b].abs() { i } else { b });
+            let eps = 1e-2;
+            nudge(v, idx, eps);
+            let up = loss(&p).to_scalar::<f32>().unwrap();
+            nudge(v, idx, -2.0 * eps);
+            let down = loss(&p).to_scalar::<f32>().unwrap();
+            nudge(v, idx, eps);
+            let fd = (up - down) / (2.0 * eps);
+            assert!((fd - g[idx]).abs() <= 0.02 * g[idx].abs() + 2e-4, "{name} {n}[{idx}]: backward {} vs finite difference {fd}", g[idx]);
+        }
+    }
+}
+
+#[test]
+fn one_adamw_step_lowers_the_loss() {
+    let p = load("tiny-qwen2");
+    let b = batch(&p);
+    let loss = |p: &Policy| total_logprob(p, &b).neg().unwrap();
+    let before = loss(&p);
+    let mut opt = candle_nn::AdamW::new_lr(p.vars(), 1e-2).unwrap();
+    opt.backward_step(&before).unwrap();
+    let (before, after) = (before.to_scalar::<f32>().unwrap(), loss(&p).to_scalar::<f32>().unwrap());
+    assert!(after < before - 1.0, "loss {before} → {after}");
+}
+
+#[test]
+fn micro_batch_gradients_sum_to_the_full_batch_gradient() {
+    let p = load("tiny-llama");
+    let mut seqs = vec![chat(&p, "Up"), chat(&p, "Go Left or Right, then Down?"), chat(&p, "3 or 7?")];
+    seqs.push(seqs[0][..5].to_vec());
+    let full = TokenBatch::new(&seqs, p.pad_id).unwrap();
+    let vars = p.vars();
+    let whole = total_logprob(&p, &full).backward().unwrap();
+    let mut acc = None;
+    for mb in full.split(2) {
+        accumulate_grads(&mut acc, total_logprob(&p, &mb).backward().unwrap(), &vars).unwrap();
+    }
+    let acc = acc.unwrap();
+    for v in &vars {
+        let d = max_abs_diff(whole.get(v.as_tensor()).unwrap(), acc.get(v.as_tensor()).unwrap());
+        assert!(d < 1e-4, "micro-batched gradient differs by {d}");
+    }
+    let no_grad = p.token_logprobs_no_grad(&full).unwrap();
+    let with = p.token_logprobs(&full).unwrap();
+    assert_eq!(max_abs_diff(&no_grad.logprobs, &with.logprobs), 0.0);
+    assert_eq!(max_abs_diff(&no_grad.entropy, &with.entropy), 0.0);
+    let lp = with.logprobs.to_vec2::<f32>().unwrap();
+    assert_eq!(lp[3][0], 0.0, "position 0 is not scored");
+    assert_eq!(lp[3][6], 0.0, "padding is not scored");
+    assert!(lp[3][4] < 0.0);
+}
+
+#[test]
+fn batched_greedy_generation_equals_one_at_a_time_despite_padding() {
+    for name in PRESETS {
+        let p = load(name);
+        let prompts = vec![chat(&p, "Up"), chat(&p, "Which is bigger, 3 or 7? Answer in <answer></answer>."), chat(&p, "Go")];
+        let cfg = GenerationConfig { max_new_tokens: 12, temperature: 0.0, ..Default::default() };
+        let batched = p.generate(&prompts, &cfg, &mut Rng::new(0)).unwrap();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let single = p.generate(std::slice::from_ref(prompt), &cfg, &mut Rng::new(0)).unwrap().remove(0);
+            assert_eq!(batched[i].ids, single.ids, "{name} row {i}");
+            assert_eq!(batched[i].text, single.text);
+            for (a, b) in batched[i].logprobs.iter().zip(&single.logprobs) {
+                assert!((a - b).abs() < 1e-4, "{name} row {i}: log-prob {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn sampling_is_seeded_and_rows_stop_on_their_own() {
+    let p = load("tiny-llama");
+    let prompts = vec![chat(&p, "Up"), chat(&p, "Down")];
+    let cfg = GenerationConfig { max_new_tokens: 10, temperature: 1.0, top_p: 0.9, top_k: 50, ..Default::default() };
+    let a = p.generate(&prompts, &cfg, &mut Rng::new(7)).unwrap();
+    let b = p.generate(&prompts, &cfg, &mut Rng::new(7)).unwrap();
+    let c = p.generate(&prompts, &cfg, &mut Rng::new(8)).unwrap();
+    assert_eq!(a, b);
+    assert_ne!(a.iter().map(|g| &g.ids).collect::<Vec<_>>(), c.iter().map(|g| &g.ids).collect::<Vec<_>>());
+    assert!(a.iter().all(|g| g.finish == Finish::Length && g.ids.len() == 10 && g.logprobs.iter().all(|&x| x <= 0.0)));
+
+    // A stop string taken from the greedy text itself ends that row there, and only that row.
+    let greedy = GenerationConfig { max_new_tokens: 10, temperature: 0.0, ..Default::default() };
+    let free = p.generate(&prompts, &greedy, &mut Rng::new(0)).unwrap();
+    let stop: String = p.decode(&free[0].ids[..4]).unwrap();
+    let stop = stop.trim_start().chars().skip(1).collect::<String>();
+    assert!(!stop.is_empty());
+    let cfg = GenerationConfig { stop_strings: vec![stop.clone()], ..greedy.clone() };
+    let stopped = p.generate(&prompts, &cfg, &mut Rng::new(0)).unwrap();
+    assert_eq!(stopped[0].finish, Finish::Stop);
+    assert!(stopped[0].text.ends_with(&stop), "{:?} should end with {stop:?}", stopped[0].text);
+    assert!(stopped[0].ids.len() <= 4);
+    if !free[1].text.contains(&stop) {
+        assert_eq!(stopped[1].ids, free[1].ids, "the other row runs on");
+    }
+}
+
+#[test]
+fn end_of_turn_token_stops_a_row() {
+    let p = load("tiny-qwen2"); // untied lm_head: one row can be edited
+    let prompt = chat(&p, "Up");
+    let greedy = GenerationConfig { max_new_tokens: 8, temperature: 0.0, ..Default::default() };
+    let first = p.generate(std::slice::from_ref(&prompt), &greedy, &mut Rng::new(0)).unwrap()[0].ids[0] as usize;
+    // Make <|im_end|>'s output row a scaled copy of the greedy token's row, so it wins.
+    let im_end = p.tokenizer.token_to_id("<|im_end|>").unwrap() as usize;
+    let head = p.model.lm_head.as_ref().unwrap();
+    let mut w = head.as_tensor().to_vec2::<f32>().unwrap();
+    w[im_end] = w[first].iter().map(|x| 10.0 * x).collect();
+    head.set(&Tensor::new(w, &Device::Cpu).unwrap()).unwrap();
+    let g = p.generate(&[prompt], &greedy, &mut Rng::new(0)).unwrap().remove(0);
+    assert_eq!(g.finish, Finish::Eos);
+    assert_eq!(g.ids, vec![im_end as u32]);
+    assert_eq!(g.text, "", "special tokens are not in the text");
+}
+
+fn logits_of(p: &Policy, ids: &[u32]) -> Vec<f32> {
+    p.next_token_logits(ids).unwrap()
+}
+
+#[test]
+fn hf_save_sharded_and_gguf_forms_load_back_the_same_model() {
+    for name in PRESETS {
+        let p = load(name);
+        let ids = chat(&p, "Dragon or Phoenix?");
+        let want = logits_of(&p, &ids);
+        let tmp = tempfile::tempdir().unwrap();
+
+        // save → HF folder → load
+        let saved = tmp.path().join("saved");
+        p.save(&saved).unwrap();
+        let q = Policy::from_location(&ModelLocation::HfDir(saved.clone()), &Device::Cpu).unwrap();
+        assert_eq!(logits_of(&q, &ids), want, "{name}: saved model");
+        assert_eq!(chat(&q, "Dragon or Phoenix?"), ids);
+
+        // the same weights split over two shards with an index
+        let sharded = tmp.path().join("sharded");
+        std::fs::create_dir_all(&sharded).unwrap();
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            std::fs::copy(saved.join(f), sharded.join(f)).unwrap();
+        }
+        let all = candle_core::safetensors::load(saved.join("model.safetensors"), &Device::Cpu).unwrap();
+        let (mut a, mut b, mut map) = (HashMap::new(), HashMap::new(), serde_json::Map::new());
+        for (i, (n, t)) in all.into_iter().enumerate() {
+            let file = if i % 2 == 0 { "model-00001-of-00002.safetensors" } else { "model-00002-of-00002.safetensors" };
+            map.insert(n.clone(), file.into());
+            if i % 2 == 0 { a.insert(n, t) } else { b.insert(n, t) };
+        }
+        candle_core::safetensors::save(&a, sharded.join("model-00001-of-00002.safetensors")).unwrap();
+        candle_core::safetensors::save(&b, sharded.join("model-00002-of-00002.safetensors")).unwrap();
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(sharded.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let s = Policy::from_location(&ModelLocation::HfDir(sharded), &Device::Cpu).unwrap();
+        assert_eq!(logits_of(&s, &ids), want, "{name}: sharded");
+
+        // GGUF (Q/K permuted on write, un-permuted on read; tokenizer and template from metadata)
+        let gguf = tmp.path().join(format!("{name}.gguf"));
+        preset::write_gguf(name, &gguf).unwrap();
+        let g = Policy::from_location(&ModelLocation::Gguf(gguf), &Device::Cpu).unwrap();
+        assert_eq!(chat(&g, "Dragon or Phoenix?"), ids, "{name}: GGUF tokenizer + template");
+        let got = logits_of(&g, &ids);
+        let d = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "{name}: GGUF logits differ by {d}");
+        assert_eq!(g.stop_ids, p.stop_ids);
+    }
+}
+
+#[test]
+fn loader_errors_name_the_file_and_the_missing_tensor() {
+    let p = load("tiny-llama");
+    let tmp = tempfile::tempdir().unwrap();
+    p.save(tmp.path()).unwrap();
+    let path = tmp.path().join("model.safetensors");
+    let mut all = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    all.remove("model.layers.1.mlp.up_proj.weight");
+    candle_core::safetensors::save(&all, &path).unwrap();
+    let err = Policy::from_location(&ModelLocation::HfDir(tmp.path().into()), &Device::Cpu).err().unwrap();
+    let msg = format!("{err:#}");
+    assert!(msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("model.safetensors"), "{msg}");
+
+    std::fs::remove_file(&path).unwrap();
+    let msg = format!("{:#}", Policy::from_location(&ModelLocation::HfDir(tmp.path().into()), &Device::Cpu).err().unwrap());
+    assert!(msg.contains("no model.safetensors"), "{msg}");
+}
+
+#[test]
+fn chat_tokens_mask_assistant_turns_of_the_tiny_template() {
+    let p = load("tiny-qwen2");
+    let msgs = [Message::user("Up?"), Message::assistant("<answer>Up</answer>")];
+    let ct = p.chat_tokens(&msgs, false).unwrap();
+    let masked: Vec<u32> = ct.ids.iter().zip(&ct.assistant_mask).filter(|(_, &m)| m).map(|(&i, _)| i).collect();
+    assert_eq!(p.tokenizer.decode(&masked, false).unwrap(), "<answer>Up</answer><|im_end|>");
+    assert_eq!(p.decode(&ct.ids).unwrap(), "user\nUp?\nassistant\n<answer>Up</answer>\n");
+}
+
+#[test]
+fn critic_values_train_and_round_trip() {
+    let p = load("tiny-qwen2");
+    let critic = Critic::from_policy(&p, 3).unwrap();
+    let b = batch(&p);
+    let v = critic.values(&b).unwrap();
+    assert_eq!(v.dims(), &[b.rows, b.len]);
+    let grads = v.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    for (n, var) in critic.named_vars() {
+        assert!(grads.get(var.as_tensor()).is_some(), "critic: no gradient for {n}");
+    }
+    assert!(grads.get(p.vars()[0].as_tensor()).is_none(), "the critic is a separate copy");
+    let tmp = tempfile::tempdir().unwrap();
+    critic.save(tmp.path()).unwrap();
+    let back = Critic::load(tmp.path(), &Device::Cpu).unwrap();
+    assert_eq!(max_abs_diff(&back.values(&b).unwrap(), &v), 0.0);
+}
+
+fn cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ragen-lab")).args(args).output().unwrap()
+}
+
+#[test]
+fn model_score_json_is_tokens_and_logprobs_with_a_null_first() {
+    let text = "<think>Up</think><answer>Up</answer>";
+    let out = cli(&["model", "score", "tiny-llama", "--text", text, "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let obj = v.as_object().unwrap();
+    assert_eq!(obj.len(), 2, "exactly tokens and logprobs: {v}");
+    let p = load("tiny-llama");
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, p.encode(text).unwrap());
+    let lps = v["logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), ids.len());
+    assert!(lps[0].is_null());
+    let want = p.token_logprobs_no_grad(&TokenBatch::new(&[ids], p.pad_id).unwrap()).unwrap();
+    let want = want.logprobs.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+    for (got, want) in lps[1..].iter().zip(&want[1..]) {
+        assert!((got.as_f64().unwrap() as f32 - want).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn model_chat_streams_a_reply_and_info_describes_the_model() {
+    let out = cli(&["model", "chat", "tiny-qwen2", "--prompt", "Up or Down?", "--max-tokens", "6"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let p = load("tiny-qwen2");
+    let cfg = GenerationConfig { max_new_tokens: 6, temperature: 0.0, ..Default::default() };
+    let g = p.generate(&[chat_plain(&p, "Up or Down?")], &cfg, &mut Rng::new(0)).unwrap().remove(0);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'), g.text);
+
+    let out = cli(&["model", "info", "tiny-llama"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("LlamaForCausalLM") && text.contains("<|im_end|>"), "{text}");
+    let out = cli(&["model", "info", "no-such-model-here"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+fn chat_plain(p: &Policy, user: &str) -> Vec<u32> {
+    p.chat_tokens(&[Message::user(user)], true).unwrap().ids
+}
