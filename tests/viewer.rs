@@ -271,7 +271,7 @@ fn plot_draws_two_runs_on_one_chart_with_alarms_and_writes_tensorboard() {
         assert!(svg.starts_with("<svg") && svg.contains("step"), "{stem}.svg");
     }
     let svg = std::fs::read_to_string(out_dir.join("in_group_std.svg")).unwrap();
-    assert!(svg.contains("variance_cliff") && svg.contains("grad_norm_spike"), "alarms not marked");
+    assert!(svg.contains("starpo: variance_cliff") && svg.contains("starpo-s: grad_norm_spike"), "alarms not marked");
     assert!(svg.contains("starpo-s all groups") && svg.contains("starpo kept groups"), "runs not in the legend");
     eprintln!("plots: {}", out_dir.display());
 

@@ -9,6 +9,7 @@ use super::run::{series, Run};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 
 static FONT: &[u8] = include_bytes!("fonts/DejaVuSans-subset.ttf");
@@ -154,28 +155,40 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         .configure_mesh()
         .x_desc("step")
         .y_desc(panel.y)
+        .x_labels(8)
+        .y_labels(6)
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .label_style(("sans-serif", font))
         .axis_desc_style(("sans-serif", font))
-        .light_line_style(RGBColor(235, 235, 235))
+        .light_line_style(RGBColor(246, 246, 246))
         .draw()
         .map_err(err)?;
 
     // Markers under the data: script swaps grey, alarms red at the step their condition began.
+    let many = runs.len() > 1;
+    let mut nth_label = 0; // staggers labels of alarms that fall close together, across runs
     for run in runs {
         for e in run.events.iter().filter(|e| e.kind == "swap" || e.kind == "reload_error") {
             let x = e.step as f64;
             chart.draw_series(DashedLineSeries::new([(x, y0), (x, y1)], 4, 4, SWAP.stroke_width(1))).map_err(err)?;
         }
-        for (i, a) in run.alarms.iter().enumerate() {
+        for a in &run.alarms {
             let x = a.since as f64;
             chart.draw_series(std::iter::once(PathElement::new([(x, y0), (x, y1)], ALARM.stroke_width(1)))).map_err(err)?;
-            let y = y1 - (y1 - y0) * (0.04 + 0.07 * (i % 4) as f64);
+            let y = y1 - (y1 - y0) * (0.04 + 0.07 * (nth_label % 4) as f64);
+            nth_label += 1;
             let style = ("sans-serif", font.saturating_sub(2).max(8)).into_font().color(&ALARM);
-            chart.draw_series(std::iter::once(Text::new(format!(" {}", a.kind), (x, y), style))).map_err(err)?;
+            let name = if many { format!("{}: {}", run.name, a.kind) } else { a.kind.clone() };
+            // Labels near the right edge run leftwards so they stay inside the plot.
+            let (label, style) = if x > x0 + 0.7 * (x1 - x0) {
+                (format!("{name} "), style.pos(Pos::new(HPos::Right, VPos::Top)))
+            } else {
+                (format!(" {name}"), style)
+            };
+            chart.draw_series(std::iter::once(Text::new(label, (x, y), style))).map_err(err)?;
         }
     }
 
-    let many = runs.len() > 1;
     for (ri, li, pts, band) in &data {
         let colour = RUN_COLOURS[ri % RUN_COLOURS.len()];
         if !band.is_empty() {
