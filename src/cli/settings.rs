@@ -20,12 +20,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let values = serde_json::to_value(&settings)?;
     println!("Training settings (override with --set key=value, or a `settings` map in the experiment script).");
-    let mut section = "";
+    let mut section = String::new();
     for (key, _, doc) in Settings::describe() {
         let (sec, field) = key.split_once('.').expect("dotted key");
         if sec != section {
             println!("\n[{sec}]");
-            section = sec;
+            section = sec.to_string();
         }
         println!("  {key} = {}\n      {doc}", values[sec][field]);
     }

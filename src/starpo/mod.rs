@@ -6,6 +6,7 @@ pub mod advantage;
 pub mod filter;
 pub mod loss;
 pub mod normalize;
+pub mod optim;
 pub mod settings;
 
 pub use settings::Settings;

@@ -1,0 +1,83 @@
+//! Packing a finished episode into one training sequence (RAGEN: the whole multi-turn chat is
+//! one sequence, the loss on assistant tokens only), with the per-position layout the update
+//! needs: loss mask, the score on the last assistant token, and each turn's end for bi-level GAE.
+//!
+//! Positions follow the policy's log-prob layout: position t scores `ids[t]` given `ids[..t]`.
+use anyhow::{bail, Result};
+
+use crate::policy::ChatTokens;
+
+/// One trajectory as the update sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Packed {
+    pub ids: Vec<u32>,
+    /// True on assistant tokens (the loss mask), [T].
+    pub mask: Vec<bool>,
+    /// The last assistant token of each visible turn, in order, [K].
+    pub turn_ends: Vec<usize>,
+    /// The reward of each visible turn (shaped, format penalty included), [K].
+    pub turn_rewards: Vec<f32>,
+}
+
+impl Packed {
+    /// From the tokenised chat and the rewards of the turns it shows (the last
+    /// `turn_rewards.len()` assistant runs are those turns).
+    pub fn new(chat: ChatTokens, turn_rewards: &[f64]) -> Result<Self> {
+        let ends = run_ends(&chat.assistant_mask);
+        if ends.len() != turn_rewards.len() {
+            bail!(
+                "packing: the chat has {} assistant turns but {} turn rewards (does the chat template mark assistant tokens?)",
+                ends.len(),
+                turn_rewards.len()
+            );
+        }
+        Ok(Self {
+            ids: chat.ids,
+            mask: chat.assistant_mask,
+            turn_ends: ends,
+            turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
+        })
+    }
+
+    /// Token-level rewards with the whole score R = Σ turn rewards on the last assistant token
+    /// (RAGEN `use_turn_scores: False`), [T].
+    pub fn score_rewards(&self, score: f32) -> Vec<f32> {
+        let mut r = vec![0.0; self.ids.len()];
+        if let Some(&last) = self.turn_ends.last() {
+            r[last] = score;
+        }
+        r
+    }
+
+    pub fn assistant_tokens(&self) -> usize {
+        self.mask.iter().filter(|&&m| m).count()
+    }
+}
+
+/// The last index of every run of `true`.
+fn run_ends(mask: &[bool]) -> Vec<usize> {
+    (0..mask.len()).filter(|&t| mask[t] && (t + 1 == mask.len() || !mask[t + 1])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turn_ends_and_score_on_last_assistant_token() {
+        let chat = ChatTokens {
+            ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
+            assistant_mask: vec![false, false, true, true, false, false, true, false],
+        };
+        let p = Packed::new(chat, &[0.5, -0.1]).unwrap();
+        assert_eq!(p.turn_ends, vec![3, 6]);
+        assert_eq!(p.score_rewards(0.4), vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0]);
+        assert_eq!(p.assistant_tokens(), 3);
+    }
+
+    #[test]
+    fn reward_count_must_match_turns() {
+        let chat = ChatTokens { ids: vec![1, 2], assistant_mask: vec![false, true] };
+        assert!(Packed::new(chat, &[1.0, 2.0]).unwrap_err().to_string().contains("1 assistant turns but 2"));
+    }
+}
