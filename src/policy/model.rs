@@ -171,17 +171,20 @@ impl Decoder {
         })
     }
 
-    /// Random weights of the real architecture: N(0, 0.02) matrices, norms near 1, small biases.
+    /// Random weights of the real architecture: matrices N(0, 1/fan_in) (so a tiny model's
+    /// next-token distribution is far from uniform and greedy text varies), norms near 1, small biases.
     pub fn random(cfg: Config, seed: u64, device: &Device) -> Result<Self> {
         let mut rng = Rng::new(seed);
         Self::from_tensors(cfg, |name, shape| {
             let n: usize = shape.iter().product();
+            let std = match shape {
+                [_, fan_in] => 1.0 / (*fan_in as f32).sqrt(),
+                _ => 0.1,
+            };
             let data: Vec<f32> = if name.ends_with("norm.weight") {
-                (0..n).map(|_| 1.0 + 0.1 * normal(&mut rng)).collect()
-            } else if name.ends_with(".bias") {
-                (0..n).map(|_| 0.1 * normal(&mut rng)).collect()
+                (0..n).map(|_| 1.0 + std * normal(&mut rng)).collect()
             } else {
-                (0..n).map(|_| 0.02 * normal(&mut rng)).collect()
+                (0..n).map(|_| std * normal(&mut rng)).collect()
             };
             Ok(Tensor::from_vec(data, shape, device)?)
         })
