@@ -113,7 +113,7 @@ fn fixture_run(run: &Path, steps: u64, cliff_at: u64, lift: f64) {
 
 fn ragen(args: &[&str]) -> String {
     let out = Command::new(BIN).args(args).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "ragen-lab {args:?} failed:\n{text}");
     text
 }

@@ -15,78 +15,71 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::{HashSet, VecDeque};
 
-/// Echo-Trap alarm thresholds (`echo.*`). Defaults follow the shapes of RAGEN's Fig. 6 curves;
-/// every alarm names the numbers it compared, so a threshold that is wrong for a task shows.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct EchoSettings {
-    /// Run the Echo-Trap monitor at all (alarms in the terminal, `events.jsonl`, metrics, viewer).
-    pub enabled: bool,
-    /// Observations of a series before any alarm on it may fire (its baseline needs data).
-    pub warmup_steps: usize,
-    /// Steps averaged for the "early level" of entropy and think length (taken after warm-up
-    /// starts, i.e. the first `baseline_steps` values seen).
-    pub baseline_steps: usize,
-    /// Consecutive steps a slow condition (variance cliff, entropy collapse, vanishing reasoning)
-    /// must hold before it is announced; `since` is the first of them.
-    pub confirm_steps: usize,
-    /// Steps in the moving average used for the running peaks of in-group std and mean reward.
-    pub smooth_window: usize,
-    /// Variance cliff: `rollout/in_group_std` below this fraction of its running peak...
-    pub cliff_fraction: f64,
-    /// ...while `rollout/reward_mean` is still within this many peak-stds of its own running peak
-    /// (the mean "has not fallen yet": the early warning RAGEN describes).
-    pub cliff_mean_drop: f64,
-    /// Variance cliff: ignore series whose peak in-group std never exceeded this (no signal to lose).
-    pub cliff_min_peak: f64,
-    /// Gradient-norm spike: `update/grad_norm` above this factor × the running median.
-    pub spike_factor: f64,
-    /// Steps in the running median for gradient-norm spikes and entropy rises.
-    pub median_window: usize,
-    /// Entropy collapse: `update/entropy` below this fraction of its early level.
-    pub entropy_collapse_fraction: f64,
-    /// Erratic entropy: `update/entropy` above this factor × its running median.
-    pub entropy_rise_factor: f64,
-    /// Vanishing reasoning: `rollout/think_len` below this fraction of its early level.
-    pub think_fraction: f64,
-    /// Vanishing reasoning: ignore runs whose early think length is under this many tokens.
-    pub think_min_baseline: f64,
-    /// Repetition: `rollout/repetition` (share of responses duplicating another) above this.
-    pub repetition_max: f64,
-    /// Template collapse: compute RAGEN-2's mutual-information estimate every this many steps
-    /// (0 = never). The trainer reads this; the monitor checks whatever `echo/` values arrive.
-    pub mi_every: usize,
-    /// Template collapse: number of (prompt, reasoning) pairs in the cross log-prob matrix.
-    pub mi_samples: usize,
-    /// Template collapse: MI below this fraction of its upper bound ln N...
-    pub mi_min_fraction: f64,
-    /// ...and retrieval accuracy at most this factor × chance (1/N).
-    pub retrieval_chance_factor: f64,
+/// Declares [`EchoSettings`] once: the struct (serde default + deny_unknown_fields), its `Default`
+/// from the `= value` after each field, and `DOCS` (field, doc) for `ragen-lab settings`, the
+/// same shape as the sections of `starpo::settings`.
+macro_rules! echo_settings {
+    ($(#[doc = $sdoc:literal])* $name:ident { $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )* }) => {
+        $(#[doc = $sdoc])*
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(default, deny_unknown_fields)]
+        pub struct $name { $( $(#[doc = $doc])+ pub $field: $ty, )* }
+        impl Default for $name {
+            fn default() -> Self { Self { $($field: $default,)* } }
+        }
+        impl $name {
+            /// (field, doc) for every field, in declaration order.
+            pub const DOCS: &'static [(&'static str, &'static str)] =
+                &[$((stringify!($field), concat!($($doc, "\n"),+)),)*];
+        }
+    };
 }
 
-impl Default for EchoSettings {
-    fn default() -> Self {
-        EchoSettings {
-            enabled: true,
-            warmup_steps: 5,
-            baseline_steps: 5,
-            confirm_steps: 2,
-            smooth_window: 3,
-            cliff_fraction: 0.3,
-            cliff_mean_drop: 1.0,
-            cliff_min_peak: 0.01,
-            spike_factor: 5.0,
-            median_window: 20,
-            entropy_collapse_fraction: 0.1,
-            entropy_rise_factor: 2.0,
-            think_fraction: 0.2,
-            think_min_baseline: 2.0,
-            repetition_max: 0.5,
-            mi_every: 5,
-            mi_samples: 16,
-            mi_min_fraction: 0.15,
-            retrieval_chance_factor: 1.5,
-        }
+echo_settings! {
+    /// Echo-Trap alarm thresholds (`echo.*`). Defaults follow the shapes of RAGEN's Fig. 6 curves;
+    /// every alarm names the numbers it compared, so a threshold that is wrong for a task shows.
+    EchoSettings {
+        /// Run the Echo-Trap monitor at all (alarms in the terminal, events.jsonl, metrics, viewer).
+        enabled: bool = true,
+        /// Observations of a series before any alarm on it may fire (its baseline needs data).
+        warmup_steps: usize = 5,
+        /// Steps averaged for the "early level" of entropy and think length (the first values seen).
+        baseline_steps: usize = 5,
+        /// Consecutive steps a slow condition (variance cliff, entropy collapse, vanishing
+        /// reasoning, repetition) must hold before it is announced; `since` is the first of them.
+        confirm_steps: usize = 2,
+        /// Steps in the moving average used for the running peaks of in-group std and mean reward.
+        smooth_window: usize = 3,
+        /// Variance cliff: rollout/in_group_std below this fraction of its running peak...
+        cliff_fraction: f64 = 0.3,
+        /// ...while rollout/reward_mean is still within this many peak-stds of its own running
+        /// peak (the mean "has not fallen yet": RAGEN's early warning).
+        cliff_mean_drop: f64 = 1.0,
+        /// Variance cliff: ignore runs whose peak in-group std never exceeded this.
+        cliff_min_peak: f64 = 0.01,
+        /// Gradient-norm spike: update/grad_norm above this factor x its running median.
+        spike_factor: f64 = 5.0,
+        /// Steps in the running median for gradient-norm spikes and entropy rises.
+        median_window: usize = 20,
+        /// Entropy collapse: update/entropy below this fraction of its early level.
+        entropy_collapse_fraction: f64 = 0.1,
+        /// Erratic entropy: update/entropy above this factor x its running median.
+        entropy_rise_factor: f64 = 2.0,
+        /// Vanishing reasoning: rollout/think_len below this fraction of its early level.
+        think_fraction: f64 = 0.2,
+        /// Vanishing reasoning: ignore runs whose early think length is under this many tokens.
+        think_min_baseline: f64 = 2.0,
+        /// Repetition: rollout/repetition (share of responses duplicating another) above this.
+        repetition_max: f64 = 0.5,
+        /// Template collapse: compute RAGEN-2's mutual-information estimate every this many steps
+        /// (0 = never). The trainer reads this; the monitor checks whatever echo/ values arrive.
+        mi_every: usize = 5,
+        /// Template collapse: (prompt, reasoning) pairs N in the cross log-prob matrix.
+        mi_samples: usize = 16,
+        /// Template collapse: MI below this fraction of its upper bound ln N...
+        mi_min_fraction: f64 = 0.15,
+        /// ...and retrieval accuracy at most this factor x chance (1/N).
+        retrieval_chance_factor: f64 = 1.5,
     }
 }
 
@@ -146,6 +139,21 @@ impl Alarm {
     /// The entry for the step's metrics line (`"alarms": [...]`).
     pub fn metrics_entry(&self) -> Value {
         serde_json::json!({"kind": self.kind.as_str(), "since": self.since, "message": self.message})
+    }
+}
+
+impl std::fmt::Display for Alarm {
+    /// The terminal line: `alarm at step 41: variance_cliff: … (since step 40)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "alarm at step {}: {}", self.step, self.message)
+    }
+}
+
+/// Puts a step's new alarms into its metrics line as `"alarms": [{kind, since, message}]`
+/// (nothing when there are none, so quiet steps stay small).
+pub fn record(alarms: &[Alarm], line: &mut Map<String, Value>) {
+    if !alarms.is_empty() {
+        line.insert("alarms".into(), Value::Array(alarms.iter().map(Alarm::metrics_entry).collect()));
     }
 }
 
@@ -847,6 +855,30 @@ mod tests {
         assert_eq!(repetition(&["pick  Dragon", "pick Dragon ", "b", "c"]), 0.5);
         assert_eq!(repetition(&["x", "x", "x"]), 1.0);
         assert_eq!(repetition::<&str>(&[]), 0.0);
+    }
+
+    #[test]
+    fn docs_cover_every_setting() {
+        let json = serde_json::to_value(EchoSettings::default()).unwrap();
+        let mut keys: Vec<&str> = json.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort();
+        let mut documented: Vec<&str> = EchoSettings::DOCS.iter().map(|d| d.0).collect();
+        documented.sort();
+        assert_eq!(keys, documented);
+        assert!(EchoSettings::DOCS.iter().all(|d| d.1.len() > 20));
+    }
+
+    #[test]
+    fn alarms_go_into_the_metrics_line_and_events() {
+        let a = Alarm { kind: AlarmKind::Repetition, step: 9, since: 8, value: 0.9, threshold: 0.5, message: "m".into() };
+        let mut line = Map::new();
+        record(&[], &mut line);
+        assert!(line.is_empty());
+        record(std::slice::from_ref(&a), &mut line);
+        assert_eq!(line["alarms"], serde_json::json!([{"kind": "repetition", "since": 8, "message": "m"}]));
+        let ev = a.event(1.5);
+        assert_eq!((ev["kind"].as_str(), ev["alarm"].as_str(), ev["since"].as_u64()), (Some("alarm"), Some("repetition"), Some(8)));
+        assert_eq!(a.to_string(), "alarm at step 9: m");
     }
 
     #[test]
