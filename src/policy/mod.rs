@@ -17,6 +17,7 @@ use candle_core::{Device, Var};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod critic;
@@ -49,6 +50,8 @@ pub struct Policy {
     pub pad_id: u32,
     /// Where the weights came from, for `model info` and logs.
     pub source: String,
+    /// Most full-vocabulary logits alive at once when scoring (floats); see `logprob`.
+    pub logit_chunk: usize,
 }
 
 /// A special token in tokenizer_config.json: a string or `{"content": …}`.
@@ -120,7 +123,16 @@ impl Policy {
             .and_then(|p| l.tokenizer.token_to_id(&p))
             .or(stop_ids.first().copied())
             .unwrap_or(0);
-        Ok(Self { model: l.model, tokenizer: l.tokenizer, chat_template, tokenizer_config: tc, stop_ids, pad_id, source })
+        Ok(Self {
+            model: l.model,
+            tokenizer: l.tokenizer,
+            chat_template,
+            tokenizer_config: tc,
+            stop_ids,
+            pad_id,
+            source,
+            logit_chunk: logprob::LOGIT_CHUNK,
+        })
     }
 
     pub fn device(&self) -> &Device {
@@ -167,6 +179,7 @@ impl Policy {
             stop_ids: self.stop_ids.clone(),
             pad_id: self.pad_id,
             source: self.source.clone(),
+            logit_chunk: self.logit_chunk,
         })
     }
 }

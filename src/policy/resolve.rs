@@ -340,6 +340,21 @@ impl Resolver {
     }
 }
 
+/// `ragen-lab model pull NAME [--from FILE]`: fetch (or install) a known model and say where it is.
+pub fn pull_command(name: &str, from: Option<&Path>) -> Result<()> {
+    let resolver = Resolver::from_env()?;
+    let location = match from {
+        Some(file) => resolver.pull_from_file(name, file)?,
+        None => resolver.pull(name)?,
+    };
+    let path = match &location {
+        ModelLocation::HfDir(p) | ModelLocation::Gguf(p) => p.display().to_string(),
+        ModelLocation::Preset(p) => p.clone(),
+    };
+    println!("{name}: {path}");
+    Ok(())
+}
+
 /// What a spec names when it is not on disk yet.
 enum Missing {
     Known(&'static KnownModel),
