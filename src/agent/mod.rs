@@ -4,3 +4,4 @@
 pub mod history;
 pub mod pack;
 pub mod turn;
+pub mod rollout;

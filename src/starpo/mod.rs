@@ -8,5 +8,6 @@ pub mod loss;
 pub mod normalize;
 pub mod optim;
 pub mod settings;
+pub mod update;
 
 pub use settings::Settings;

@@ -1,5 +1,5 @@
-//! Every training setting, declared once: a `Settings` tree of four sections (`rollout`,
-//! `starpo`, `optim`, `train`), each field with its `///` doc, its default (in `Default`, nowhere
+//! Every training setting, declared once: a `Settings` tree of five sections (`rollout`,
+//! `starpo`, `optim`, `train`, and `echo`, the Echo-Trap thresholds declared in `metrics`), each field with its `///` doc, its default (in `Default`, nowhere
 //! else) and its serde name. The dotted key of a field is `section.field` (`starpo.clip_high`).
 //!
 //! Resolution order: preset (`starpo` or `starpo-s`, diffs from the defaults) → `--algo` →
@@ -12,6 +12,8 @@
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+
+use crate::metrics::echo_trap::EchoSettings;
 
 /// Declares a settings section: the struct (serde default + deny_unknown_fields), its `Default`
 /// from the `= value` after each field, and `DOCS` (field name, default, doc text) for
@@ -212,7 +214,7 @@ section! {
     }
 }
 
-/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`.
+/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`, `echo.*`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
@@ -220,6 +222,8 @@ pub struct Settings {
     pub starpo: Starpo,
     pub optim: Optim,
     pub train: Train,
+    /// Echo-Trap alarm thresholds (declared by the metrics module).
+    pub echo: EchoSettings,
 }
 
 /// The named starting points.
@@ -290,11 +294,12 @@ impl Settings {
     /// Every dotted key with its default (as JSON text) and doc, in declaration order.
     pub fn describe() -> Vec<(String, String, String)> {
         let defaults = serde_json::to_value(Settings::default()).expect("settings serialise");
-        let sections: [(&str, &[(&str, &str)]); 4] = [
+        let sections: [(&str, &[(&str, &str)]); 5] = [
             ("rollout", Rollout::DOCS),
             ("starpo", Starpo::DOCS),
             ("optim", Optim::DOCS),
             ("train", Train::DOCS),
+            ("echo", EchoSettings::DOCS),
         ];
         let mut out = Vec::new();
         for (section, docs) in sections {
@@ -429,7 +434,7 @@ mod tests {
         assert_eq!((s.starpo.clip_low, s.starpo.clip_high, s.starpo.kl_coef), (0.2, 0.28, 0.0));
         assert_eq!(v.starpo.filter, FilterKind::None);
         assert_eq!((v.starpo.clip_high, v.starpo.kl_coef), (0.2, 0.001));
-        assert_eq!((s.rollout, s.optim, s.train), (v.rollout, v.optim, v.train));
+        assert_eq!((s.rollout, s.optim, s.train, s.echo), (v.rollout, v.optim, v.train, v.echo));
     }
 
     #[test]
@@ -467,7 +472,7 @@ mod tests {
     #[test]
     fn describe_lists_every_field_with_doc() {
         let d = Settings::describe();
-        let n = Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len();
+        let n = Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len() + EchoSettings::DOCS.len();
         assert_eq!(d.len(), n);
         let clip = d.iter().find(|(k, _, _)| k == "starpo.clip_high").unwrap();
         assert_eq!(clip.1, "0.28");

@@ -1,0 +1,265 @@
+//! One StarPO(-S) update on the kept trajectories, in RAGEN `agent_trainer.fit` order (the
+//! filter has already run in the trainer):
+//!   2. old log-probs with the actor; reference log-probs only when the KL loss is on;
+//!   3. critic values (GAE estimators only);
+//!   4. advantages: GAE over the packed sequence, bi-level GAE, or GRPO's broadcast score;
+//!   5. for each epoch and mini-batch: the critic step, then the actor step (clipped surrogate,
+//!      entropy bonus, KL loss), gradients summed over micro-batches, grad-norm clip, AdamW.
+//! Reported losses are means over all mini-batches (not the last one's, CleanRL's habit).
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+
+use super::advantage::{bi_level_gae, gae, grpo, whiten};
+use super::loss::{clipped_surrogate, kl, seq_mean_token_mean, value_loss};
+use super::optim::AdamW;
+use super::settings::{AdvantageKind, Settings};
+use crate::agent::pack::Packed;
+use crate::policy::logprob::accumulate_grads;
+use crate::policy::{Critic, Policy, TokenBatch};
+use crate::rng::Rng;
+
+/// One trajectory as the update sees it: its packed tokens and its (normalised) score.
+pub struct Item<'a> {
+    pub packed: &'a Packed,
+    pub score: f32,
+}
+
+/// Means over mini-batches.
+#[derive(Clone, Debug, Default)]
+pub struct UpdateStats {
+    pub pg_loss: f64,
+    pub entropy: f64,
+    pub kl: Option<f64>,
+    pub clip_frac: f64,
+    pub grad_norm: f64,
+    pub value_loss: Option<f64>,
+    pub approx_kl: f64,
+    pub optimizer_steps: usize,
+    /// Token positions run forward (and backward) in the update, for perf/tokens and FLOPs.
+    pub tokens: usize,
+    /// The per-sequence mean advantage over assistant tokens (for the rollout log).
+    pub seq_advantage: Vec<f32>,
+}
+
+/// The models and optimisers the update touches.
+pub struct Models<'a> {
+    pub policy: &'a Policy,
+    pub critic: Option<&'a Critic>,
+    pub reference: Option<&'a Policy>,
+    pub actor_opt: &'a mut AdamW,
+    pub critic_opt: Option<&'a mut AdamW>,
+}
+
+/// Rows of `[B, T]` f32 from ragged vectors, zero-padded to `t`.
+fn rows_tensor(rows: &[Vec<f32>], t: usize, dev: &Device) -> Result<Tensor> {
+    let mut data = Vec::with_capacity(rows.len() * t);
+    for r in rows {
+        data.extend_from_slice(&r[..r.len().min(t)]);
+        data.extend(std::iter::repeat_n(0.0, t.saturating_sub(r.len())));
+    }
+    Ok(Tensor::from_vec(data, (rows.len(), t), dev)?)
+}
+
+/// Shift the critic's per-position values (position t = state after ids[..=t]) to the log-prob
+/// layout (position t = state before ids[t]): aligned[t] = raw[t − 1], aligned[0] = 0.
+fn align_values(raw: &Tensor) -> Result<Tensor> {
+    let (b, t) = raw.dims2()?;
+    let zero = Tensor::zeros((b, 1), raw.dtype(), raw.device())?;
+    if t < 2 {
+        return Ok(zero.narrow(1, 0, t)?);
+    }
+    Ok(Tensor::cat(&[&zero, &raw.narrow(1, 0, t - 1)?], 1)?)
+}
+
+/// Per-sequence vectors of a no-grad score over micro-batches.
+fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
+    let rows: Vec<Vec<f32>> = x.to_vec2()?;
+    Ok(rows.into_iter().zip(lengths).map(|(mut r, &l)| {
+        r.truncate(l);
+        r
+    }).collect())
+}
+
+fn micro_batches(seqs: &[&[u32]], idx: &[usize], micro: usize, pad: u32) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
+    idx.chunks(micro.max(1))
+        .map(|c| Ok((c.to_vec(), TokenBatch::new(&c.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?)))
+        .collect()
+}
+
+/// One update. `rng` shuffles nothing at RAGEN's defaults (veRL `shuffle: False`); it orders
+/// mini-batches only when there are several epochs.
+pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng) -> Result<UpdateStats> {
+    let (sp, so) = (&s.starpo, &s.optim);
+    let policy = m.policy;
+    let dev = policy.device().clone();
+    let n = items.len();
+    let mut stats = UpdateStats::default();
+    if n == 0 {
+        return Ok(stats);
+    }
+    let seqs: Vec<&[u32]> = items.iter().map(|it| it.packed.ids.as_slice()).collect();
+    let masks: Vec<Vec<bool>> = items.iter().map(|it| it.packed.mask.clone()).collect();
+    let all: Vec<usize> = (0..n).collect();
+    let pad = policy.pad_id;
+
+    // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph.
+    let mut old_lp = vec![Vec::new(); n];
+    let mut ref_lp = vec![Vec::new(); n];
+    let mut old_v = vec![Vec::new(); n];
+    for (ids, tb) in micro_batches(&seqs, &all, so.micro_batch_size, pad)? {
+        let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
+        for (k, &i) in ids.iter().enumerate() {
+            old_lp[i] = lp[k].clone();
+        }
+        if let (Some(r), true) = (m.reference, sp.kl_coef > 0.0) {
+            let lp = per_seq(&r.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
+            for (k, &i) in ids.iter().enumerate() {
+                ref_lp[i] = lp[k].clone();
+            }
+        }
+        // 3. Critic values.
+        if let Some(c) = m.critic {
+            let v = per_seq(&align_values(&c.values(&tb)?.detach())?, &tb.lengths)?;
+            for (k, &i) in ids.iter().enumerate() {
+                old_v[i] = v[k].clone();
+            }
+        }
+        stats.tokens += tb.rows * tb.len;
+    }
+
+    // 4. Advantages (and returns for the critic).
+    let mut adv = Vec::with_capacity(n);
+    let mut ret = Vec::with_capacity(n);
+    for (i, it) in items.iter().enumerate() {
+        let p = it.packed;
+        if old_v[i].is_empty() {
+            old_v[i] = vec![0.0; p.ids.len()]; // no critic: V = 0
+        }
+        let (a, r) = match sp.advantage {
+            AdvantageKind::Grpo => (grpo(it.score, &p.mask), vec![0.0; p.ids.len()]),
+            AdvantageKind::Gae => {
+                let (a, r) = gae(&p.score_rewards(it.score), &old_v[i], sp.gamma as f32, sp.lam as f32);
+                (a.into_iter().zip(&p.mask).map(|(x, &on)| if on { x } else { 0.0 }).collect(), r)
+            }
+            AdvantageKind::BiLevelGae => bi_level_gae(
+                &p.turn_ends,
+                &p.turn_rewards,
+                &old_v[i],
+                &p.mask,
+                sp.gamma as f32,
+                sp.lam as f32,
+                sp.high_level_gamma as f32,
+            ),
+        };
+        adv.push(a);
+        ret.push(r);
+    }
+    if sp.whiten && sp.advantage != AdvantageKind::Grpo {
+        whiten(&mut adv, &masks);
+    }
+    stats.seq_advantage = adv
+        .iter()
+        .zip(&masks)
+        .map(|(a, m)| {
+            let k = m.iter().filter(|&&x| x).count().max(1) as f32;
+            a.iter().zip(m).filter(|p| *p.1).map(|p| *p.0).sum::<f32>() / k
+        })
+        .collect();
+
+    // 5. Epochs × mini-batches: critic step, then actor step.
+    let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
+    let mask_f: Vec<Vec<f32>> = masks.iter().map(|m| m.iter().map(|&x| x as u8 as f32).collect()).collect();
+    let (mut sums, mut count) = ([0.0f64; 7], 0usize);
+    let mut kl_sum = 0.0;
+    for epoch in 0..so.epochs {
+        let mut order = all.clone();
+        if epoch > 0 {
+            rng.shuffle(&mut order);
+        }
+        for mb in order.chunks(mb_size) {
+            let weight = |rows: usize| rows as f64 / mb.len() as f64;
+            // Critic.
+            let mut vloss = 0.0;
+            if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
+                let mut grads = None;
+                for (ids, tb) in micro_batches(&seqs, mb, so.micro_batch_size, pad)? {
+                    let t = tb.len;
+                    let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
+                    let (ov, rt, mk) = (pick(&old_v), pick(&ret), pick(&mask_f));
+                    let values = align_values(&c.values(&tb)?)?;
+                    let l = value_loss(
+                        &values,
+                        &rows_tensor(&ov, t, &dev)?,
+                        &rows_tensor(&rt, t, &dev)?,
+                        &rows_tensor(&mk, t, &dev)?,
+                        sp.value_clip,
+                    )?;
+                    let scaled = (l.clone() * weight(tb.rows))?;
+                    vloss += scaled.to_scalar::<f32>()? as f64;
+                    accumulate_grads(&mut grads, scaled.backward()?, &opt.vars())?;
+                    stats.tokens += tb.rows * t;
+                }
+                if let Some(g) = grads {
+                    opt.step(&g, so.grad_clip)?;
+                }
+            }
+            // Actor.
+            let mut grads = None;
+            let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
+            for (ids, tb) in micro_batches(&seqs, mb, so.micro_batch_size, pad)? {
+                let t = tb.len;
+                let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
+                let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
+                let mask = rows_tensor(&mk, t, &dev)?;
+                let old = rows_tensor(&olp, t, &dev)?;
+                let scored = policy.token_logprobs(&tb)?;
+                let (pg, clipped, _) = clipped_surrogate(
+                    &scored.logprobs,
+                    &old,
+                    &rows_tensor(&ad, t, &dev)?,
+                    sp.clip_low,
+                    sp.clip_high,
+                    sp.dual_clip,
+                )?;
+                let pg_loss = seq_mean_token_mean(&pg, &mask)?;
+                let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
+                let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
+                if m.reference.is_some() && sp.kl_coef > 0.0 {
+                    let rl = pick(&ref_lp);
+                    let k = seq_mean_token_mean(&kl(&scored.logprobs, &rows_tensor(&rl, t, &dev)?, sp.kl_type)?, &mask)?;
+                    mb_stats[4] += weight(tb.rows) * k.to_scalar::<f32>()? as f64;
+                    loss = (loss + (k * sp.kl_coef)?)?;
+                }
+                let w = weight(tb.rows);
+                mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
+                mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
+                mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
+                let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
+                mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
+                accumulate_grads(&mut grads, (loss * w)?.backward()?, &m.actor_opt.vars())?;
+                stats.tokens += tb.rows * t;
+            }
+            let norm = match grads {
+                Some(g) => m.actor_opt.step(&g, so.grad_clip)?,
+                None => 0.0,
+            };
+            for k in 0..4 {
+                sums[k] += mb_stats[k];
+            }
+            kl_sum += mb_stats[4];
+            sums[4] += norm;
+            sums[5] += vloss;
+            count += 1;
+        }
+    }
+    let c = count.max(1) as f64;
+    stats.pg_loss = sums[0] / c;
+    stats.entropy = sums[1] / c;
+    stats.clip_frac = sums[2] / c;
+    stats.approx_kl = sums[3] / c;
+    stats.grad_norm = sums[4] / c;
+    stats.value_loss = m.critic.map(|_| sums[5] / c);
+    stats.kl = (m.reference.is_some() && sp.kl_coef > 0.0).then_some(kl_sum / c);
+    stats.optimizer_steps = count;
+    Ok(stats)
+}
