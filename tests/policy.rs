@@ -159,6 +159,28 @@ fn micro_batch_gradients_sum_to_the_full_batch_gradient() {
 }
 
 #[test]
+fn chunked_loss_and_grads_equal_plain_backward() {
+    for name in PRESETS {
+        let mut p = load(name);
+        p.logit_chunk = 3 * p.model.cfg.vocab_size * 2; // 3 positions per chunk for 2 rows: many chunks
+        let b = batch(&p);
+        // A loss that is not linear in the scores, like PPO's.
+        let loss = |s: &ragen_lab::policy::Scored| -> anyhow::Result<Tensor> {
+            Ok((s.logprobs.exp()?.sum_all()? + (s.entropy.sqr()?.sum_all()? * 0.1)?)?)
+        };
+        let direct_loss = loss(&p.token_logprobs(&b).unwrap()).unwrap();
+        let direct = direct_loss.backward().unwrap();
+        let (value, chunked) = p.loss_and_grads(&b, loss).unwrap();
+        assert!((value - direct_loss.to_scalar::<f32>().unwrap()).abs() < 1e-4);
+        for (n, v) in p.model.named_vars() {
+            let (a, c) = (direct.get(v.as_tensor()).unwrap(), chunked.get(v.as_tensor()).unwrap());
+            let d = max_abs_diff(a, c);
+            assert!(d < 1e-5, "{name} {n}: chunked gradient differs by {d}");
+        }
+    }
+}
+
+#[test]
 fn batched_greedy_generation_equals_one_at_a_time_despite_padding() {
     for name in PRESETS {
         let p = load(name);
