@@ -187,14 +187,25 @@ fn batched_greedy_generation_equals_one_at_a_time_despite_padding() {
         let prompts = vec![chat(&p, "Up"), chat(&p, "Which is bigger, 3 or 7? Answer in <answer></answer>."), chat(&p, "Go")];
         let cfg = GenerationConfig { max_new_tokens: 12, temperature: 0.0, ..Default::default() };
         let batched = p.generate(&prompts, &cfg, &mut Rng::new(0)).unwrap();
-        for (i, prompt) in prompts.iter().enumerate() {
-            let single = p.generate(std::slice::from_ref(prompt), &cfg, &mut Rng::new(0)).unwrap().remove(0);
-            assert_eq!(batched[i].ids, single.ids, "{name} row {i}");
-            assert_eq!(batched[i].text, single.text);
-            for (a, b) in batched[i].logprobs.iter().zip(&single.logprobs) {
-                assert!((a - b).abs() < 1e-4, "{name} row {i}: log-prob {a} vs {b}");
+        let same_as_alone = |batched: &[ragen_lab::policy::Generation], cfg: &GenerationConfig| {
+            for (i, prompt) in prompts.iter().enumerate() {
+                let single = p.generate(std::slice::from_ref(prompt), cfg, &mut Rng::new(0)).unwrap().remove(0);
+                assert_eq!(batched[i].ids, single.ids, "{name} row {i}");
+                assert_eq!(batched[i].text, single.text);
+                assert_eq!(batched[i].finish, single.finish);
+                for (a, b) in batched[i].logprobs.iter().zip(&single.logprobs) {
+                    assert!((a - b).abs() < 1e-4, "{name} row {i}: log-prob {a} vs {b}");
+                }
             }
-        }
+        };
+        same_as_alone(&batched, &cfg);
+        // One row stops early on a string from its own text: it leaves the batch (the KV cache
+        // is compacted) and the others carry on exactly as alone.
+        let stop: String = batched[1].text.chars().skip(1).find(char::is_ascii_alphanumeric).expect("a letter").into();
+        let cfg = GenerationConfig { stop_strings: vec![stop], ..cfg };
+        let batched = p.generate(&prompts, &cfg, &mut Rng::new(0)).unwrap();
+        assert_eq!(batched[1].finish, Finish::Stop);
+        same_as_alone(&batched, &cfg);
     }
 }
 

@@ -87,6 +87,17 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Keep only the batch rows `keep` (in that order): finished sequences leave the batch.
+    pub fn retain(&mut self, keep: &[usize]) -> Result<()> {
+        let Some((k0, _)) = self.layers.first() else { return Ok(()) };
+        let idx = Tensor::from_vec(keep.iter().map(|&i| i as u32).collect::<Vec<_>>(), keep.len(), k0.device())?;
+        for (k, v) in &mut self.layers {
+            *k = k.index_select(&idx, 0)?;
+            *v = v.index_select(&idx, 0)?;
+        }
+        Ok(())
+    }
 }
 
 /// `(name, shape)` of every weight in HF naming and order.

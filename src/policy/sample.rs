@@ -1,7 +1,7 @@
 //! Batched generation: prompts are left-padded into one batch, prefilled once into a
 //! pre-allocated KV cache, then decoded one token per row per step with the fused (no-grad)
 //! ops. Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
-//! token budget); finished rows ride along until every row is done. Sampling (temperature,
+//! token budget); finished rows leave the batch (and the cache) in groups. Sampling (temperature,
 //! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout.
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -125,18 +125,22 @@ impl Policy {
             .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
             .collect();
         let mut done = vec![false; b];
+        // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
+        // once they are a quarter of it, so long stragglers do not drag the whole batch along.
+        let mut active: Vec<usize> = (0..b).collect();
+        let mut active_starts = starts.clone();
         for step in 0..cfg.max_new_tokens {
             let logits = self.model.logits(&last)?.to_vec2::<f32>()?;
-            let mut next = vec![self.pad_id; b];
-            for row in 0..b {
+            let mut next = vec![self.pad_id; active.len()];
+            for (k, &row) in active.iter().enumerate() {
                 if done[row] {
                     continue;
                 }
-                let (id, lp) = pick(&logits[row], cfg, rng);
+                let (id, lp) = pick(&logits[k], cfg, rng);
                 let g = &mut out[row];
                 g.ids.push(id);
                 g.logprobs.push(lp);
-                next[row] = id;
+                next[k] = id;
                 on_token(row, id);
                 if self.stop_ids.contains(&id) {
                     g.finish = Finish::Eos;
@@ -152,8 +156,16 @@ impl Policy {
             if done.iter().all(|&d| d) || step + 1 == cfg.max_new_tokens {
                 break;
             }
-            let ids = Tensor::from_vec(next, (b, 1), dev)?;
-            last = self.model.hidden(&ids, &starts, Some(&mut cache), Mode::Sample)?.squeeze(1)?;
+            let finished = active.iter().filter(|&&r| done[r]).count();
+            if finished > 0 && finished * 4 >= active.len() {
+                let keep: Vec<usize> = (0..active.len()).filter(|&k| !done[active[k]]).collect();
+                cache.retain(&keep)?;
+                next = keep.iter().map(|&k| next[k]).collect();
+                active_starts = keep.iter().map(|&k| active_starts[k]).collect();
+                active = keep.iter().map(|&k| active[k]).collect();
+            }
+            let ids = Tensor::from_vec(next, (active.len(), 1), dev)?;
+            last = self.model.hidden(&ids, &active_starts, Some(&mut cache), Mode::Sample)?.squeeze(1)?;
         }
         for g in &mut out {
             g.text = self.decode(&g.ids)?;
