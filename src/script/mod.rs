@@ -21,3 +21,8 @@ mod reward;
 pub use experiment::{Experiment, ExperimentScripts};
 pub use prompt::{PromptScript, TurnContext};
 pub use reward::{shape_all, RewardScript};
+pub mod validate;
+mod watch;
+
+pub use validate::{Loaded, Role};
+pub use watch::{Update, WatchMode, Watcher};
