@@ -189,6 +189,8 @@ fn viewer_page_shows_steps_turns_invalid_actions_and_alarms_in_headless_chromium
     assert!(dom.contains("2 alarms: variance_cliff, grad_norm_spike"), "alarm summary missing");
     assert!(dom.contains("since step 18"), "variance cliff alarm missing");
     assert!(dom.contains("gradient norm 14.0000"), "recorded alarm message missing");
+    // The steps table links every step, with its alarms.
+    assert!(dom.contains("click a step to read its trajectories"), "steps table missing");
     // Charts are inline SVG (one per panel with data) with the alarm lines.
     assert!(dom.matches(r#"<div class="chart">"#).count() >= 8, "charts missing");
     assert!(dom.contains(r##"stroke="#d62728""##), "alarm marker missing");
@@ -199,7 +201,11 @@ fn viewer_page_shows_steps_turns_invalid_actions_and_alarms_in_headless_chromium
              &[&format!("--screenshot={}", shot.display()), "--window-size=1280,1400"], &url);
     let png = std::fs::read(&shot).unwrap();
     assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "screenshot too small: {} bytes", png.len());
-    eprintln!("viewer screenshot: {}", shot.display());
+    // The charts tab, opened from the URL.
+    let charts = artifacts.join("viewer-charts.png");
+    chromium(&exe, &tmp.path().join("profile"),
+             &[&format!("--screenshot={}", charts.display()), "--window-size=1280,1100"], &format!("{url}#tab=charts"));
+    eprintln!("viewer screenshots: {} {}", shot.display(), charts.display());
 }
 
 fn http_get(addr: &str, path: &str) -> (String, String) {

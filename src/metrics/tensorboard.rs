@@ -150,6 +150,10 @@ pub fn ensure_tb(run: &Path) -> Result<Option<PathBuf>> {
         return Ok(None);
     }
     let lines = super::run::read_metrics(&run.join("metrics.jsonl"))?;
+    if lines.is_empty() {
+        // Nothing to convert; and a live run's trainer will create tb/ itself.
+        return Ok(None);
+    }
     let mut w = TbWriter::new(&tb)?;
     for line in &lines {
         let time = line.get("time").and_then(Value::as_f64).unwrap_or(0.0);
