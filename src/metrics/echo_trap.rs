@@ -618,6 +618,9 @@ impl MutualInfo {
     }
 }
 
+/// Log-prob differences at or below this (nats) count as ties in retrieval accuracy.
+pub const TIE_NATS: f64 = 1e-4;
+
 /// Mutual information between prompts X and reasoning traces Z (RAGEN-2 `collapse_metrics.py`).
 ///
 /// `logp[i][j]` = log p(z_i | x_j): the summed log-prob of trace i's reasoning tokens (tags
@@ -649,8 +652,10 @@ pub fn mutual_information(logp: &[Vec<f64>], truth: &[usize]) -> anyhow::Result<
         let log_mix = max + (row.iter().map(|x| (x - max).exp()).sum::<f64>() / n as f64).ln();
         h_cond -= row[t];
         h_marg -= log_mix;
-        let ties = row.iter().filter(|&&x| x == max).count();
-        if row[t] == max {
+        // Scores within TIE_NATS of the best are ties: f32 log-probs of one sequence in
+        // different batch rows can differ in the last bits, which is no evidence either way.
+        let ties = row.iter().filter(|&&x| max - x <= TIE_NATS).count();
+        if max - row[t] <= TIE_NATS {
             hits += 1.0 / ties as f64;
         }
     }

@@ -1,5 +1,6 @@
 //! The run's numbers after the trainer has produced them: Echo-Trap diagnostics and alarms,
 //! TensorBoard event files, reading a run directory back, and the plots.
+pub mod collapse;
 pub mod echo_trap;
 pub mod plot;
 pub mod png;
