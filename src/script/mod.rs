@@ -10,7 +10,7 @@ mod rng_module;
 pub use engine::{project_of, Host, Limits, Script, SCRIPT_ROOTS};
 pub use error::ScriptError;
 mod env;
-mod params;
+pub mod params;
 
 pub use env::{EnvInfo, EnvScript, Episode, StepOutcome};
 pub use params::parse_assignment;
