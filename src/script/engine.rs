@@ -189,7 +189,7 @@ impl Host {
             sources.push(p.clone());
         }
         let hash = hex::encode(hasher.finalize());
-        Ok(Arc::new(Script { host: self.clone(), path: path.to_path_buf(), name, ast, hash, sources }))
+        Ok(Arc::new(Script { host: self.clone(), path: path.to_path_buf(), name, ast, hash, sources, source: source.to_string() }))
     }
 }
 
@@ -276,6 +276,7 @@ pub struct Script {
     hash: String,
     /// The script and every file it imports (the watcher recompiles when any changes).
     pub sources: Vec<PathBuf>,
+    source: String,
 }
 
 impl std::fmt::Debug for Script {
@@ -333,6 +334,23 @@ impl Script {
         self.host
             .engine
             .call_fn_with_options::<Dynamic>(CallFnOptions::new(), &mut scope, &self.ast, name, args)
-            .map_err(|e| ScriptError::from_eval(&self.name, &e).context(format!("in {name}")))
+            .map_err(|e| {
+                let mut err = ScriptError::from_eval(&self.name, &e);
+                // Limit errors (operations, depth, sizes, time) carry no position: point at the
+                // innermost function's definition instead.
+                if err.line == 0 && err.path == self.name {
+                    let innermost = err.call_chain.last().and_then(|c| c.split(' ').next()).unwrap_or(name);
+                    if let Some((line, col)) = fn_position(&self.source, innermost) {
+                        (err.line, err.col) = (line, col);
+                    }
+                }
+                err.context(format!("in {name}"))
+            })
     }
+}
+
+/// Where `fn name(` is defined in `source` (1-based line and column).
+fn fn_position(source: &str, name: &str) -> Option<(usize, usize)> {
+    let pattern = format!("fn {name}(");
+    source.lines().enumerate().find_map(|(i, l)| l.find(&pattern).map(|c| (i + 1, c + 1)))
 }

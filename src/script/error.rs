@@ -110,6 +110,9 @@ fn describe(err: &EvalAltResult) -> String {
         EvalAltResult::ErrorDataTooLarge(..) => " (a string, array or map outgrew the sandbox limits)",
         EvalAltResult::ErrorVariableNotFound(..) => " (variables must be declared with `let` first)",
         EvalAltResult::ErrorPropertyNotFound(..) => " (a map has no such key; check the spelling or use `in`)",
+        EvalAltResult::ErrorFunctionNotFound(sig, ..) if sig.contains("()") => {
+            " (a `()` operand is usually a missing map key or a function that returned nothing)"
+        }
         _ => "",
     };
     let text = match err {
