@@ -142,7 +142,7 @@ fn score(p: &Policy, text: &str, as_json: bool) -> Result<()> {
     if ids.is_empty() {
         return Err(anyhow!("--text tokenizes to no tokens"));
     }
-    let scored = p.token_logprobs_no_grad(&TokenBatch::new(&[ids.clone()], p.pad_id)?)?;
+    let scored = p.token_logprobs_no_grad(&TokenBatch::new(std::slice::from_ref(&ids), p.pad_id)?)?;
     let lps = scored.logprobs.squeeze(0)?.to_vec1::<f32>()?;
     let logprobs: Vec<Option<f32>> = lps.iter().enumerate().map(|(i, &x)| (i > 0).then_some(x)).collect();
     if as_json {

@@ -171,14 +171,14 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             bail!(
                 "num_attention_heads {} is not a multiple of num_key_value_heads {}",
                 self.num_attention_heads,
                 self.num_key_value_heads
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             bail!("head_dim {} must be even for RoPE", self.head_dim);
         }
         Ok(())
