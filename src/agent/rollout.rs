@@ -45,7 +45,7 @@ pub struct TurnRecord {
     pub format_ok: bool,
     /// Sum of the env's step rewards in this turn.
     pub env_reward: f64,
-    /// The turn reward: shaped env reward plus the format penalty where it applies.
+    /// The turn reward: the env reward after the reward scripts (e.g. the format penalty).
     pub reward: f64,
     pub done: bool,
     /// Generated tokens in this turn.
@@ -202,10 +202,8 @@ pub fn rollout(
                     invalid.push(action.clone());
                 }
             }
-            let mut reward = shape_all(&scripts.rewards, &parsed, env_reward)?;
-            if parsed.penalized() || !invalid.is_empty() {
-                reward += s.format_penalty;
-            }
+            // Shaping (RAGEN's format penalty included) is the experiment's reward scripts' job.
+            let reward = shape_all(&scripts.rewards, &parsed, env_reward)?;
             ep.history.push_assistant(parsed.reserialize());
             ep.prev_reward = Some(reward);
             ep.done = ep.episode.done || ep.actions_taken >= max_actions || turn == max_turns;

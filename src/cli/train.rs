@@ -1,8 +1,136 @@
-//! `ragen-lab train` (being built).
+//! `ragen-lab train`: resolve the flags into `starpo::trainer::Options`, install the Ctrl-C
+//! handler, run the loop, print the summary.
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
+use anyhow::{bail, Context, Result};
+
+use crate::starpo::rundir::RunDir;
+use crate::starpo::settings::{Algo, Preset};
+use crate::starpo::trainer::{train, Options};
+
+/// Train a policy on an experiment script with StarPO-S (default) or StarPO.
+///
+/// With no other flag, `ragen-lab train --env scripts/bandit.rhai` trains SmolLM2-135M-Instruct
+/// (fetched on first use) with StarPO-S and the experiment's settings, and writes
+/// runs/<experiment>-<date>/. Every setting (`ragen-lab settings` lists them) can be set in the
+/// experiment script's `settings` map or with `--set key=value`.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// The experiment script (scripts/*.rhai): env, prompt template, reward shaping, settings.
+    /// Optional with --resume (the run remembers it).
+    #[arg(long, value_name = "SCRIPT")]
+    pub env: Option<PathBuf>,
+    /// Settings preset: starpo-s (filtering, clip-higher, no KL) or starpo (vanilla PPO + KL).
+    #[arg(long, value_enum, default_value = "starpo-s")]
+    pub preset: Preset,
+    /// Advantage estimator family: ppo (GAE with a critic) or grpo (group-normalised, no critic).
+    #[arg(long, value_enum)]
+    pub algo: Option<Algo>,
+    /// Override a setting, e.g. `--set optim.lr=1e-5 --set rollout.env_groups=8` (repeatable;
+    /// applied after the preset and the experiment script).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// The model: an HF folder, a .gguf file, a preset (tiny-llama, tiny-qwen2), a known short
+    /// name (smollm2-135m) or a hub id.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Training steps (shorthand for --set train.steps=N; with --resume, extends the run).
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Where to write the run (default runs/<name>).
+    #[arg(long, value_name = "DIR", conflicts_with = "name")]
+    pub run_dir: Option<PathBuf>,
+    /// The run's name under runs/ (default <experiment>-<UTC date and time>).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Continue a run from its latest checkpoint (a run directory, or a name under runs/).
+    #[arg(long, value_name = "RUN")]
+    pub resume: Option<PathBuf>,
+    /// No progress bar (logs still go to the run directory).
+    #[arg(long)]
+    pub quiet: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`ragen-lab train` is not built yet")
+/// `YYYYMMDD-HHMMSS` in UTC (civil-from-days, Howard Hinnant's algorithm).
+fn utc_stamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+fn resolve_resume(run: &Path) -> PathBuf {
+    if run.join("settings.json").exists() || run.components().count() > 1 {
+        run.to_path_buf()
+    } else {
+        Path::new("runs").join(run)
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (experiment, model, run_dir, resume) = match &args.resume {
+        Some(r) => {
+            let dir = resolve_resume(r);
+            let saved = RunDir::read_settings(&dir)?;
+            let exp = match &args.env {
+                Some(e) => e.clone(),
+                None => PathBuf::from(saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?),
+            };
+            let model = saved["model"].as_str().unwrap_or(&args.model).to_string();
+            (exp, model, dir, true)
+        }
+        None => {
+            let Some(exp) = args.env.clone() else {
+                bail!("--env SCRIPT is required (an experiment script such as scripts/bandit.rhai), or --resume RUN");
+            };
+            let stem = exp.file_stem().and_then(|s| s.to_str()).unwrap_or("run").to_string();
+            let dir = match (&args.run_dir, &args.name) {
+                (Some(d), _) => d.clone(),
+                (None, Some(n)) => Path::new("runs").join(n),
+                (None, None) => Path::new("runs").join(format!("{stem}-{}", utc_stamp())),
+            };
+            (exp, args.model.clone(), dir, false)
+        }
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let presses = Arc::new(AtomicUsize::new(0));
+    {
+        let (stop, presses) = (stop.clone(), presses.clone());
+        // A second handler cannot be installed in the same process; the first one serves.
+        let _ = ctrlc::set_handler(move || {
+            if presses.fetch_add(1, Ordering::SeqCst) > 0 {
+                eprintln!("\nragen-lab: interrupted again, exiting without saving");
+                std::process::exit(130);
+            }
+            eprintln!("\nragen-lab: stopping after this step and saving a checkpoint (Ctrl-C again to abort)");
+            stop.store(true, Ordering::SeqCst);
+        });
+    }
+    if !args.quiet {
+        eprintln!("ragen-lab train: {} with {} → {}", experiment.display(), model, run_dir.display());
+    }
+    let summary = train(Options {
+        experiment,
+        model,
+        preset: args.preset,
+        algo: args.algo,
+        sets: args.sets,
+        steps: args.steps,
+        run_dir,
+        resume,
+        progress: !args.quiet,
+        stop,
+    })?;
+    print!("{}", summary.render());
+    Ok(())
 }

@@ -7,7 +7,9 @@ pub mod filter;
 pub mod loss;
 pub mod normalize;
 pub mod optim;
+pub mod rundir;
 pub mod settings;
+pub mod trainer;
 pub mod update;
 
 pub use settings::Settings;

@@ -114,9 +114,6 @@ section! {
         think: bool = true,
         /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
         context_window: usize = 0,
-        /// Added to the score once per turn with an invalid action or a format error (RAGEN
-        /// es_manager.format_penalty).
-        format_penalty: f64 = -0.1,
         /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
         seed_base: u64 = 10000,
     }

@@ -1,0 +1,206 @@
+//! The run directory (docs/contracts.md "The run directory"): resolved settings, script sources
+//! by content hash, `metrics.jsonl`, `events.jsonl`, rollouts per step, and checkpoints written
+//! atomically (a temp dir renamed into place, then `latest` replaced by rename), so a crash at
+//! any instant leaves a run that `--resume` can continue.
+//!
+//! What it does not hold: what a checkpoint contains (the trainer hands it a closure that writes
+//! the files) or how metrics are computed.
+use std::collections::HashSet;
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Map, Value};
+
+use crate::script::Script;
+
+pub struct RunDir {
+    pub path: PathBuf,
+    /// (role, path, hash) already in scripts/index.jsonl.
+    seen: HashSet<(String, String, String)>,
+}
+
+pub fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+/// Write `text` to `path` atomically (temp file in the same folder, then rename).
+pub fn write_atomic(path: &Path, text: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+fn append_line(path: &Path, v: &Value) -> Result<()> {
+    let mut f = OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+    writeln!(f, "{v}").with_context(|| format!("writing {}", path.display()))
+}
+
+impl RunDir {
+    /// A fresh run directory; refuses one that already holds a run.
+    pub fn create(path: &Path) -> Result<Self> {
+        if path.join("settings.json").exists() {
+            bail!("{} already holds a run: continue it with --resume {}, or pick another --name", path.display(), path.display());
+        }
+        for sub in ["scripts", "rollouts", "checkpoints"] {
+            fs::create_dir_all(path.join(sub)).with_context(|| format!("creating {}", path.join(sub).display()))?;
+        }
+        Ok(Self { path: path.to_path_buf(), seen: HashSet::new() })
+    }
+
+    /// An existing run, to resume: lines of metrics.jsonl past `step` (written after the last
+    /// checkpoint, before the run died) are dropped so every step appears once.
+    pub fn reopen(path: &Path, step: u64) -> Result<Self> {
+        let metrics = path.join("metrics.jsonl");
+        if metrics.exists() {
+            let text = fs::read_to_string(&metrics).with_context(|| format!("reading {}", metrics.display()))?;
+            let kept: String = text
+                .lines()
+                .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s <= step))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            write_atomic(&metrics, kept.as_bytes())?;
+        }
+        let mut seen = HashSet::new();
+        if let Ok(text) = fs::read_to_string(path.join("scripts/index.jsonl")) {
+            for v in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()) {
+                let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                seen.insert((s("role"), s("path"), s("hash")));
+            }
+        }
+        Ok(Self { path: path.to_path_buf(), seen })
+    }
+
+    pub fn write_settings(&self, v: &Value) -> Result<()> {
+        write_atomic(&self.path.join("settings.json"), serde_json::to_string_pretty(v)?.as_bytes())
+    }
+
+    pub fn read_settings(path: &Path) -> Result<Value> {
+        let p = path.join("settings.json");
+        let text = fs::read_to_string(&p).with_context(|| format!("reading {} (is {} a run directory?)", p.display(), path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
+    }
+
+    /// Record a script version: its source under scripts/<hash>.rhai and a line in index.jsonl.
+    pub fn record_script(&mut self, step: u64, role: &str, script: &Script) -> Result<()> {
+        let hash = script.version().to_string();
+        let key = (role.to_string(), script.name.clone(), hash.clone());
+        if self.seen.contains(&key) {
+            return Ok(());
+        }
+        let file = self.path.join("scripts").join(format!("{hash}.rhai"));
+        if !file.exists() {
+            let source = fs::read(&script.path).with_context(|| format!("reading {}", script.path.display()))?;
+            write_atomic(&file, &source)?;
+        }
+        append_line(&self.path.join("scripts/index.jsonl"), &json!({"step": step, "role": role, "path": script.name, "hash": hash}))?;
+        self.seen.insert(key);
+        Ok(())
+    }
+
+    pub fn metrics(&self, line: &Map<String, Value>) -> Result<()> {
+        append_line(&self.path.join("metrics.jsonl"), &Value::Object(line.clone()))
+    }
+
+    /// An event line: `{"step", "time", "kind", "message", …extra}`.
+    pub fn event(&self, step: u64, kind: &str, message: &str, extra: Map<String, Value>) -> Result<()> {
+        let mut v = Map::new();
+        v.insert("step".into(), json!(step));
+        v.insert("time".into(), json!(now()));
+        v.insert("kind".into(), json!(kind));
+        v.insert("message".into(), json!(message));
+        v.extend(extra);
+        append_line(&self.path.join("events.jsonl"), &Value::Object(v))
+    }
+
+    pub fn event_value(&self, v: &Value) -> Result<()> {
+        append_line(&self.path.join("events.jsonl"), v)
+    }
+
+    /// rollouts/<name>.jsonl, one trajectory per line, written atomically.
+    pub fn rollouts(&self, name: &str, lines: &[Value]) -> Result<()> {
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        write_atomic(&self.path.join("rollouts").join(format!("{name}.jsonl")), text.as_bytes())
+    }
+
+    pub fn checkpoint_dir(&self, step: u64) -> PathBuf {
+        self.path.join("checkpoints").join(format!("step-{step:06}"))
+    }
+
+    /// Write a checkpoint: `fill` writes into a temp folder, which is renamed to step-N; then
+    /// `latest` is replaced atomically; then checkpoints beyond the newest `keep` are deleted.
+    pub fn save_checkpoint(&self, step: u64, keep: usize, fill: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+        let ckpts = self.path.join("checkpoints");
+        let tmp = ckpts.join(format!(".tmp-step-{step:06}"));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        fill(&tmp)?;
+        let dir = self.checkpoint_dir(step);
+        let _ = fs::remove_dir_all(&dir);
+        fs::rename(&tmp, &dir).with_context(|| format!("renaming {} to {}", tmp.display(), dir.display()))?;
+        write_atomic(&ckpts.join("latest"), format!("step-{step:06}\n").as_bytes())?;
+        let mut all: Vec<String> = fs::read_dir(&ckpts)?
+            .filter_map(|e| e.ok().and_then(|e| e.file_name().into_string().ok()))
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        all.sort();
+        let excess = all.len().saturating_sub(keep.max(1));
+        for old in &all[..excess] {
+            let _ = fs::remove_dir_all(ckpts.join(old));
+        }
+        Ok(dir)
+    }
+
+    /// The newest complete checkpoint (what `latest` names).
+    pub fn latest_checkpoint(path: &Path) -> Result<PathBuf> {
+        let latest = path.join("checkpoints/latest");
+        let name = fs::read_to_string(&latest)
+            .with_context(|| format!("{} has no checkpoint yet ({} is missing): start a new run instead", path.display(), latest.display()))?;
+        let dir = path.join("checkpoints").join(name.trim());
+        if !dir.join("state.json").exists() {
+            bail!("{}: checkpoint {} is incomplete (no state.json)", path.display(), dir.display());
+        }
+        Ok(dir)
+    }
+}
+
+/// Peak resident memory of this process in MiB (Linux `VmHWM`), if known.
+pub fn peak_rss_mb() -> Option<f64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_publish_latest_and_keep_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::create(&dir.path().join("r")).unwrap();
+        for step in 1..=3 {
+            run.save_checkpoint(step, 2, |d| Ok(fs::write(d.join("state.json"), "{}")?)).unwrap();
+        }
+        let latest = RunDir::latest_checkpoint(&run.path).unwrap();
+        assert!(latest.ends_with("step-000003"));
+        assert!(!run.checkpoint_dir(1).exists() && run.checkpoint_dir(2).exists());
+        assert!(RunDir::create(&run.path).is_ok(), "no settings.json yet, so not a run");
+        run.write_settings(&json!({})).unwrap();
+        assert!(RunDir::create(&run.path).unwrap_err().to_string().contains("--resume"));
+    }
+
+    #[test]
+    fn reopen_drops_metrics_past_the_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = RunDir::create(dir.path()).unwrap();
+        for s in 1..=4 {
+            run.metrics(json!({"step": s}).as_object().unwrap()).unwrap();
+        }
+        RunDir::reopen(dir.path(), 2).unwrap();
+        let text = fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), 2);
+    }
+}

@@ -1,0 +1,543 @@
+//! The StarPO(-S) training loop, CleanRL-style: read [`train`] top to bottom.
+//!
+//!   setup (scripts, settings, models, optimisers, run directory, or a checkpoint to resume)
+//!   for each step:
+//!     1. swap in edited scripts at the step boundary (a broken edit is reported, the old
+//!        version stays)
+//!     2. rollout: P groups × N episodes on fresh seeds
+//!     3. score: R(τ) per trajectory, normalised per group
+//!     4. filter: StarPO-S keeps the groups with the most reward variance
+//!     5. update (update.rs, RAGEN `fit` order)
+//!     6. log: metrics.jsonl, rollouts, Echo-Trap alarms, TensorBoard, the progress bar
+//!     7. validate every n steps (fixed seeds, temperature 0.5, and the held-out variant)
+//!     8. checkpoint every n steps (and on Ctrl-C, and at the end)
+//!
+//! Helpers below `train` turn rollouts into metric lines and trajectory lines.
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{anyhow, Context, Result};
+use candle_core::Device;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{json, Map, Value};
+
+use super::filter::{group_stds, top_by_std, top_p_by_variance};
+use super::normalize::normalize;
+use super::optim::AdamW;
+use super::rundir::{now, peak_rss_mb, RunDir};
+use super::settings::{Algo, FilterKind, Preset, Settings};
+use super::update::{update, Item, Models, UpdateStats};
+use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
+use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor};
+use crate::metrics::tensorboard::TbWriter;
+use crate::policy::{Critic, Policy};
+use crate::rng::Rng;
+use crate::script::{Experiment, ExperimentScripts, Host, Limits};
+
+/// What `ragen-lab train` asks for.
+pub struct Options {
+    /// The experiment script (scripts/*.rhai).
+    pub experiment: PathBuf,
+    /// Model spec (HF dir, .gguf, preset, known name, hub id).
+    pub model: String,
+    pub preset: Preset,
+    pub algo: Option<Algo>,
+    /// `--set key=value` flags, in order.
+    pub sets: Vec<String>,
+    /// `--steps` (also extends a resumed run).
+    pub steps: Option<usize>,
+    pub run_dir: PathBuf,
+    /// Continue the run in `run_dir` from its latest checkpoint.
+    pub resume: bool,
+    /// Draw the progress bar and the summary.
+    pub progress: bool,
+    /// Set by the Ctrl-C handler: save a checkpoint and stop at the next boundary.
+    pub stop: Arc<AtomicBool>,
+}
+
+/// What a run ends with (the one-screen summary).
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub run_dir: PathBuf,
+    pub first_step: u64,
+    pub last_step: u64,
+    pub interrupted: bool,
+    pub seconds: f64,
+    /// (step, metrics line) of the first and last training steps of this session.
+    pub first: Option<Map<String, Value>>,
+    pub last: Option<Map<String, Value>>,
+    /// (step, val line) of every validation of this session.
+    pub validations: Vec<(u64, Map<String, Value>)>,
+    pub checkpoint: Option<PathBuf>,
+    pub alarms: Vec<String>,
+}
+
+/// Preset → `--algo` → the experiment script's settings → `--set` flags → validate.
+pub fn resolve_settings(
+    preset: Preset,
+    algo: Option<Algo>,
+    script: &Map<String, Value>,
+    script_path: &Path,
+    sets: &[String],
+) -> Result<Settings> {
+    let mut s = Settings::preset(preset);
+    if let Some(a) = algo {
+        s.apply_algo(a);
+    }
+    s.apply_map(script, &script_path.display().to_string())?;
+    for flag in sets {
+        s.apply_flag(flag)?;
+    }
+    s.validate()?;
+    Ok(s)
+}
+
+/// The checkpointed loop state besides weights and optimiser moments.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct State {
+    step: u64,
+    rng: [u64; 4],
+    time: f64,
+}
+
+pub fn train(opts: Options) -> Result<Summary> {
+    let t_start = Instant::now();
+    // ---- setup -------------------------------------------------------------------------------
+    let host = Host::for_script(&opts.experiment, Limits::default());
+    let exp = Experiment::load(&host, &opts.experiment)?;
+    let (mut s, start_step, resume_from) = if opts.resume {
+        let saved = RunDir::read_settings(&opts.run_dir)?;
+        let mut s: Settings = serde_json::from_value(saved["settings"].clone())
+            .with_context(|| format!("{}: settings.json does not match this version's settings", opts.run_dir.display()))?;
+        for flag in &opts.sets {
+            s.apply_flag(flag)?;
+        }
+        let ckpt = RunDir::latest_checkpoint(&opts.run_dir)?;
+        let st: State = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json"))?)
+            .with_context(|| format!("reading {}", ckpt.join("state.json").display()))?;
+        (s, st.step, Some((ckpt, st)))
+    } else {
+        let s = resolve_settings(opts.preset, opts.algo, &exp.settings, &exp.path, &opts.sets)?;
+        (s, 0, None)
+    };
+    if let Some(n) = opts.steps {
+        s.train.steps = n;
+    }
+    s.validate()?;
+    let mut scripts = exp.scripts(&host)?;
+    let device = Device::Cpu;
+    let base = Policy::load(&opts.model, &device)?;
+    let reference = if s.starpo.kl_coef > 0.0 { Some(base.deep_copy()?) } else { None };
+    let (policy, critic) = match &resume_from {
+        Some((ckpt, _)) => {
+            let p = Policy::load(&ckpt.join("policy").display().to_string(), &device)?;
+            let c = if s.needs_critic() { Some(Critic::load(&ckpt.join("critic"), &device)?) } else { None };
+            (p, c)
+        }
+        None => {
+            let c = if s.needs_critic() { Some(Critic::from_policy(&base, s.train.seed)?) } else { None };
+            (base, c)
+        }
+    };
+    let mut actor_opt = AdamW::new(policy.model.named_vars(), s.optim.lr, &s.optim)?;
+    let mut critic_opt = match &critic {
+        Some(c) => Some(AdamW::new(c.named_vars(), s.optim.critic_lr, &s.optim)?),
+        None => None,
+    };
+    let mut rng = Rng::new(s.train.seed);
+    let mut run = match &resume_from {
+        Some((ckpt, st)) => {
+            actor_opt.load(&ckpt.join("optimizer.safetensors"))?;
+            if let (Some(o), true) = (critic_opt.as_mut(), critic.is_some()) {
+                o.load(&ckpt.join("critic_optimizer.safetensors"))?;
+            }
+            rng = Rng::from_state(st.rng);
+            let run = RunDir::reopen(&opts.run_dir, st.step)?;
+            run.event(st.step, "resume", &format!("resumed from {}", ckpt.display()), Map::new())?;
+            run
+        }
+        None => RunDir::create(&opts.run_dir)?,
+    };
+    run.write_settings(&json!({
+        "settings": s, "experiment": exp.path, "env": exp.env, "prompt": exp.prompt, "rewards": exp.rewards,
+        "params": exp.params, "val_params": exp.val_params, "model": opts.model, "preset": opts.preset,
+        "algo": opts.algo, "sets": opts.sets, "model_source": policy.source,
+    }))?;
+    record_versions(&mut run, start_step, &scripts)?;
+    let mut tb = TbWriter::new(run.path.join("tb"))?;
+    let mut echo = EchoTrapMonitor::new(s.echo.clone());
+    let n_params = policy.model.cfg.num_params() as f64;
+    let total = s.train.steps as u64;
+    let bar = progress_bar(opts.progress, start_step, total);
+    let mut summary = Summary {
+        run_dir: run.path.clone(),
+        first_step: start_step + 1,
+        last_step: start_step,
+        interrupted: false,
+        seconds: 0.0,
+        first: None,
+        last: None,
+        validations: Vec::new(),
+        checkpoint: None,
+        alarms: Vec::new(),
+    };
+    let save = |run: &RunDir, step: u64, policy: &Policy, critic: &Option<Critic>, a: &AdamW, c: &Option<AdamW>, rng: &Rng| {
+        run.save_checkpoint(step, s.train.keep_checkpoints, |dir| {
+            policy.save(&dir.join("policy"))?;
+            a.save(&dir.join("optimizer.safetensors"))?;
+            if let (Some(cr), Some(co)) = (critic, c) {
+                cr.save(&dir.join("critic"))?;
+                co.save(&dir.join("critic_optimizer.safetensors"))?;
+            }
+            let st = State { step, rng: rng.state(), time: now() };
+            std::fs::write(dir.join("state.json"), serde_json::to_string_pretty(&st)?)?;
+            Ok(())
+        })
+    };
+    if start_step == 0 && s.train.val_every > 0 {
+        validate(&policy, &scripts, &exp, &s, &run, 0, &mut summary)?;
+    }
+
+    // ---- the loop ----------------------------------------------------------------------------
+    let mut reload_error: Option<String> = None;
+    for step in start_step + 1..=total {
+        if opts.stop.load(Ordering::SeqCst) {
+            summary.interrupted = true;
+            break;
+        }
+        let t_step = Instant::now();
+        // 1. Swap in edited scripts at the boundary.
+        match exp.scripts(&host) {
+            Ok(new) if changed(&scripts, &new) => {
+                reload_error = None;
+                let msg = swap_message(&scripts, &new);
+                run.event(step, "swap", &msg, Map::new())?;
+                bar.println(format!("step {step}: {msg}"));
+                scripts = new;
+                record_versions(&mut run, step, &scripts)?;
+            }
+            Ok(_) => reload_error = None,
+            Err(e) => {
+                // Reported once per distinct error; the run goes on with the last good version.
+                let msg = format!("{e}; keeping the previous version");
+                if reload_error.as_ref() != Some(&msg) {
+                    bar.println(format!("step {step}: reload error: {msg}"));
+                    run.event(step, "reload_error", &msg, Map::new())?;
+                    reload_error = Some(msg);
+                }
+            }
+        }
+        let params = scripts.env.params_from(&exp.params)?;
+
+        // 2. Rollout: P × reuse groups (rollout freshness), N episodes each, fresh seeds.
+        let n_groups = s.rollout.env_groups * s.optim.rollout_reuse;
+        let first_seed = s.rollout.seed_base + (step - 1) * n_groups as u64;
+        let plan = Plan {
+            seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
+            group_size: s.rollout.group_size,
+            temperature: s.rollout.temperature,
+            params,
+        };
+        let t0 = Instant::now();
+        let trajs = rollout(&policy, &scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: rollout"))?;
+        let rollout_s = t0.elapsed().as_secs_f64();
+
+        // 3. Score and normalise per group.
+        let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();
+        let members = groups(&trajs);
+        let normed = normalize(&scores, &members, s.starpo.reward_norm);
+
+        // 4. Filter whole groups by in-group reward std.
+        let stds = group_stds(&scores, &members);
+        let kept_groups = match s.starpo.filter {
+            FilterKind::None => (0..members.len()).collect(),
+            FilterKind::Std => top_by_std(&stds, s.starpo.filter_ratio),
+            FilterKind::TopP => top_p_by_variance(&stds, s.starpo.filter_top_p),
+        };
+        let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].clone()).collect();
+
+        // 5. Update on the kept trajectories.
+        let t1 = Instant::now();
+        let items: Vec<Item> = kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect();
+        let stats = update(
+            Models {
+                policy: &policy,
+                critic: critic.as_ref(),
+                reference: reference.as_ref(),
+                actor_opt: &mut actor_opt,
+                critic_opt: critic_opt.as_mut(),
+            },
+            &items,
+            &s,
+            &mut rng,
+        )?;
+        let update_s = t1.elapsed().as_secs_f64();
+
+        // 6. Log.
+        let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
+        update_metrics(&mut line, &stats, s.optim.lr);
+        let rollout_tokens: usize = trajs.iter().map(|t| t.packed.ids.len() + t.turns.iter().map(|u| u.response_tokens).sum::<usize>()).sum();
+        put(&mut line, "time/rollout_s", rollout_s);
+        put(&mut line, "time/update_s", update_s);
+        put(&mut line, "time/step_s", t_step.elapsed().as_secs_f64());
+        put(&mut line, "perf/tokens", (rollout_tokens + stats.tokens) as f64);
+        // Rough: 2·N per token forward (rollout), 6·N per token forward + backward (update).
+        put(&mut line, "perf/flops", 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
+        if let Some(mb) = peak_rss_mb() {
+            put(&mut line, "perf/peak_rss_mb", mb);
+        }
+        let alarms = echo.observe(step, &line);
+        record(&alarms, &mut line);
+        for a in &alarms {
+            run.event_value(&a.event(now()))?;
+            bar.println(a.to_string());
+            summary.alarms.push(a.to_string());
+        }
+        run.metrics(&line)?;
+        tb.metrics(step, now(), &line)?;
+        let adv: Vec<f64> = {
+            let mut a = vec![0.0; trajs.len()];
+            for (k, &i) in kept.iter().enumerate() {
+                a[i] = stats.seq_advantage.get(k).copied().unwrap_or(0.0) as f64;
+            }
+            a
+        };
+        let lines: Vec<Value> = trajs
+            .iter()
+            .enumerate()
+            .map(|(i, t)| trajectory_line(step, t, Some(normed[i]), Some(adv[i]), kept.contains(&i)))
+            .collect();
+        run.rollouts(&format!("step-{step:06}"), &lines)?;
+        bar.set_message(headline(&line));
+        bar.inc(1);
+        summary.first.get_or_insert_with(|| line.clone());
+        summary.last = Some(line);
+        summary.last_step = step;
+
+        // 7. Validate.
+        if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
+            validate(&policy, &scripts, &exp, &s, &run, step, &mut summary)?;
+        }
+        // 8. Checkpoint.
+        let last = step == total;
+        if last || (s.train.save_every > 0 && step % s.train.save_every as u64 == 0) {
+            let dir = save(&run, step, &policy, &critic, &actor_opt, &critic_opt, &rng)?;
+            run.event(step, "checkpoint", &format!("saved {}", dir.display()), Map::new())?;
+            summary.checkpoint = Some(dir);
+        }
+    }
+    if summary.interrupted && summary.last_step > start_step && summary.checkpoint.as_ref().is_none_or(|c| !c.ends_with(format!("step-{:06}", summary.last_step))) {
+        let dir = save(&run, summary.last_step, &policy, &critic, &actor_opt, &critic_opt, &rng)?;
+        run.event(summary.last_step, "checkpoint", &format!("saved {} on interrupt", dir.display()), Map::new())?;
+        summary.checkpoint = Some(dir);
+    }
+    bar.finish_and_clear();
+    tb.flush()?;
+    summary.seconds = t_start.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// Validation: fixed seeds at the validation temperature, on the training params and on the
+/// held-out variant where the experiment has one. Its own Rng, so validating does not change
+/// the training stream.
+fn validate(
+    policy: &Policy,
+    scripts: &ExperimentScripts,
+    exp: &Experiment,
+    s: &Settings,
+    run: &RunDir,
+    step: u64,
+    summary: &mut Summary,
+) -> Result<()> {
+    let mut variants = vec![("val", "val", exp.params.clone())];
+    if let Some(v) = &exp.val_params {
+        variants.push(("val_heldout", "val-heldout", v.clone()));
+    }
+    let mut out = Map::new();
+    for (key, file, params) in variants {
+        let plan = Plan {
+            seeds: (0..s.train.val_groups as u64).map(|g| s.train.val_seed + g).collect(),
+            group_size: s.train.val_samples,
+            temperature: s.train.val_temperature,
+            params: scripts.env.params_from(&params)?,
+        };
+        let mut rng = Rng::derive(s.train.seed, 1_000_003);
+        let trajs = rollout(policy, scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: validation"))?;
+        let n = trajs.len().max(1) as f64;
+        let success = trajs.iter().filter(|t| t.success).count() as f64 / n;
+        let reward = trajs.iter().map(|t| t.score).sum::<f64>() / n;
+        let members = groups(&trajs);
+        let pass = members.iter().filter(|m| m.iter().any(|&i| trajs[i].success)).count() as f64 / members.len().max(1) as f64;
+        put(&mut out, &format!("{key}/success"), success);
+        put(&mut out, &format!("{key}/reward_mean"), reward);
+        put(&mut out, &format!("{key}/pass_at_k"), pass);
+        let lines: Vec<Value> = trajs.iter().map(|t| trajectory_line(step, t, None, None, false)).collect();
+        run.rollouts(&format!("{file}-step-{step:06}"), &lines)?;
+    }
+    let mut extra = out.clone();
+    extra.insert("k".into(), json!(s.train.val_samples));
+    let msg = out.iter().map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(0.0))).collect::<Vec<_>>().join(", ");
+    run.event(step, "validation", &msg, extra)?;
+    summary.validations.push((step, out));
+    Ok(())
+}
+
+fn record_versions(run: &mut RunDir, step: u64, s: &ExperimentScripts) -> Result<()> {
+    run.record_script(step, "env", s.env.script())?;
+    run.record_script(step, "prompt", s.prompt.script())?;
+    for r in &s.rewards {
+        run.record_script(step, "reward", r.script())?;
+    }
+    Ok(())
+}
+
+fn changed(old: &ExperimentScripts, new: &ExperimentScripts) -> bool {
+    crate::agent::rollout::Versions::of(old) != crate::agent::rollout::Versions::of(new)
+}
+
+fn swap_message(old: &ExperimentScripts, new: &ExperimentScripts) -> String {
+    let mut parts = Vec::new();
+    let mut one = |name: &str, a: &str, b: &str| {
+        if a != b {
+            parts.push(format!("{name} {a} → {b}"));
+        }
+    };
+    one(&old.env.script().name, old.env.version(), new.env.version());
+    one(&old.prompt.script().name, old.prompt.version(), new.prompt.version());
+    for (a, b) in old.rewards.iter().zip(&new.rewards) {
+        one(&a.script().name, a.version(), b.version());
+    }
+    format!("swapped in {}", parts.join(", "))
+}
+
+fn put(m: &mut Map<String, Value>, k: &str, v: f64) {
+    if v.is_finite() {
+        m.insert(k.into(), json!(v));
+    }
+}
+
+/// The `rollout/` metrics of one step (docs/contracts.md "Metric keys").
+fn rollout_metrics(step: u64, trajs: &[Trajectory], members: &[Vec<usize>], stds: &[f64], kept: &[usize]) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("step".into(), json!(step));
+    m.insert("time".into(), json!(now()));
+    let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();
+    let (mean, std) = super::normalize::mean_std(&scores);
+    let turns: Vec<&crate::agent::rollout::TurnRecord> = trajs.iter().flat_map(|t| &t.turns).collect();
+    let nt = turns.len().max(1) as f64;
+    let mean_of = |xs: &[f64]| if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 };
+    put(&mut m, "rollout/reward_mean", mean);
+    put(&mut m, "rollout/reward_std", std);
+    put(&mut m, "rollout/reward_min", scores.iter().copied().fold(f64::INFINITY, f64::min));
+    put(&mut m, "rollout/reward_max", scores.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+    put(&mut m, "rollout/success", trajs.iter().filter(|t| t.success).count() as f64 / trajs.len().max(1) as f64);
+    put(&mut m, "rollout/in_group_std", mean_of(stds));
+    put(&mut m, "rollout/in_group_std_kept", mean_of(&kept.iter().map(|&g| stds[g]).collect::<Vec<_>>()));
+    put(&mut m, "rollout/kept_ratio", kept.len() as f64 / members.len().max(1) as f64);
+    put(&mut m, "rollout/response_len", turns.iter().map(|t| t.response_tokens as f64).sum::<f64>() / nt);
+    put(&mut m, "rollout/think_len", turns.iter().map(|t| t.think_tokens as f64).sum::<f64>() / nt);
+    put(&mut m, "rollout/turns_mean", turns.len() as f64 / trajs.len().max(1) as f64);
+    let parsed_actions: usize = turns.iter().map(|t| t.actions.len() + t.invalid_actions.len()).sum();
+    let valid: usize = trajs.iter().map(|t| t.actions_valid).sum();
+    if parsed_actions > 0 {
+        put(&mut m, "rollout/valid_action_rate", valid as f64 / parsed_actions as f64);
+    }
+    put(&mut m, "rollout/format_error_rate", turns.iter().filter(|t| !t.format_ok).count() as f64 / nt);
+    let responses: Vec<&str> = turns.iter().map(|t| t.response.as_str()).collect();
+    put(&mut m, "rollout/repetition", repetition(&responses));
+    m
+}
+
+fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
+    put(m, "update/pg_loss", u.pg_loss);
+    put(m, "update/entropy", u.entropy);
+    put(m, "update/clip_frac", u.clip_frac);
+    put(m, "update/grad_norm", u.grad_norm);
+    put(m, "update/approx_kl", u.approx_kl);
+    put(m, "update/lr", lr);
+    put(m, "update/optimizer_steps", u.optimizer_steps as f64);
+    if let Some(k) = u.kl {
+        put(m, "update/kl", k);
+    }
+    if let Some(v) = u.value_loss {
+        put(m, "update/value_loss", v);
+    }
+}
+
+/// One trajectory line (docs/contracts.md "Trajectory line").
+fn trajectory_line(step: u64, t: &Trajectory, normalized: Option<f64>, advantage: Option<f64>, kept: bool) -> Value {
+    let mut v = json!({
+        "step": step, "group": t.group, "episode": t.episode, "seed": t.seed, "success": t.success,
+        "score": t.score, "kept": kept, "response_tokens": t.turns.iter().map(|u| u.response_tokens).sum::<usize>(),
+        "versions": t.versions, "system": t.system, "turns": t.turns, "truncated": t.truncated,
+    });
+    if let Some(n) = normalized {
+        v["normalized_score"] = json!(n);
+    }
+    if let Some(a) = advantage {
+        v["advantage"] = json!(a);
+    }
+    v
+}
+
+fn headline(m: &Map<String, Value>) -> String {
+    let g = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    format!(
+        "reward {:.3} success {:.2} std {:.3} entropy {:.3} len {:.0}",
+        g("rollout/reward_mean"),
+        g("rollout/success"),
+        g("rollout/in_group_std"),
+        g("update/entropy"),
+        g("rollout/response_len")
+    )
+}
+
+fn progress_bar(show: bool, start: u64, total: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}")
+            .map_err(|e| anyhow!("{e}"))
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+impl Summary {
+    /// The one-screen summary printed at the end of `ragen-lab train`.
+    pub fn render(&self) -> String {
+        let g = |m: &Option<Map<String, Value>>, k: &str| m.as_ref().and_then(|m| m.get(k)).and_then(Value::as_f64);
+        let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
+        let mut out = String::new();
+        let status = if self.interrupted { "interrupted (checkpoint saved)" } else { "done" };
+        out += &format!("ragen-lab train: {status}: steps {}–{} in {:.0} s\n", self.first_step, self.last_step, self.seconds);
+        out += &format!("  run directory   {}\n", self.run_dir.display());
+        for (k, name) in [
+            ("rollout/reward_mean", "reward mean"),
+            ("rollout/success", "success"),
+            ("rollout/in_group_std", "in-group std"),
+            ("update/entropy", "entropy"),
+            ("rollout/response_len", "response len"),
+        ] {
+            out += &format!("  {name:<15} {:>8} → {:>8}\n", f(g(&self.first, k)), f(g(&self.last, k)));
+        }
+        for (step, v) in &self.validations {
+            let parts: Vec<String> = v.iter().map(|(k, x)| format!("{k} {:.3}", x.as_f64().unwrap_or(0.0))).collect();
+            out += &format!("  validation @{step:<4} {}\n", parts.join("  "));
+        }
+        if !self.alarms.is_empty() {
+            out += &format!("  alarms          {}\n", self.alarms.len());
+            for a in self.alarms.iter().take(5) {
+                out += &format!("    {a}\n");
+            }
+        }
+        if let Some(c) = &self.checkpoint {
+            out += &format!("  checkpoint      {}\n", c.display());
+        }
+        out += &format!("  next: ragen-lab view {}   ragen-lab plot {}\n", self.run_dir.display(), self.run_dir.display());
+        out
+    }
+}
