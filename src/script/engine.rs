@@ -198,6 +198,8 @@ fn import_position(source: &str, err: &EvalAltResult) -> Option<(usize, usize)> 
     let needle = match err {
         EvalAltResult::ErrorModuleNotFound(p, ..) => p.clone(),
         EvalAltResult::ErrorInModule(p, ..) => p.clone(),
+        // The resolver's own refusals start with `import "<path>"`.
+        EvalAltResult::ErrorRuntime(m, ..) => m.to_string().strip_prefix("import \"")?.split('"').next()?.to_string(),
         _ => return None,
     };
     let stem = needle.trim_end_matches(".rhai");

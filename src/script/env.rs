@@ -287,6 +287,7 @@ impl Episode {
 
     /// The state map as JSON (for determinism checks and debugging).
     pub fn state_json(&self) -> Value {
-        to_json(&self.state).unwrap_or(Value::Null)
+        // The shared wrapper must come off first: serde sees only plain values.
+        to_json(&self.state.flatten_clone()).unwrap_or(Value::Null)
     }
 }

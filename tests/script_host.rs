@@ -1,0 +1,725 @@
+//! The script host end to end: the sandbox and every bad input of issue 2, the shipped envs'
+//! rules, the prompt template and reward scripts, live reload, and the CLI contracts
+//! (`play --json`, `check`, `new`, `play --watch`).
+use std::collections::{HashSet, VecDeque};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ragen_lab::agent::turn::parse_turn;
+use ragen_lab::cli::check::{check, check_env};
+use ragen_lab::script::{
+    shape_all, EnvScript, Experiment, Host, Limits, Loaded, PromptScript, RewardScript, Role, ScriptError, TurnContext,
+    Update, WatchMode, Watcher,
+};
+use serde_json::{json, Map, Value};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn repo_host() -> Arc<Host> {
+    Host::new(repo(), Limits::default())
+}
+
+fn env(name: &str) -> EnvScript {
+    EnvScript::load(&repo_host(), Path::new(&format!("envs/{name}.rhai"))).unwrap()
+}
+
+fn params(e: &EnvScript, overrides: &[(&str, &str)]) -> Map<String, Value> {
+    let o: Vec<(String, String)> = overrides.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    e.params(&o).unwrap()
+}
+
+/// A temporary project with the given files (relative path, content).
+fn project(files: &[(&str, &str)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (p, text) in files {
+        let full = dir.path().join(p);
+        std::fs::create_dir_all(full.parent().unwrap()).unwrap();
+        std::fs::write(full, text).unwrap();
+    }
+    dir
+}
+
+const HEAD: &str = r#"fn describe(p) { #{ name: "t", instruction: "i", actions: ["A"] } }
+fn reset(seed, p) { #{ n: 0 } }
+fn render(s) { `n=${s.n}` }
+"#;
+
+/// Small limits, so the runaway scripts below stop in milliseconds.
+fn tight() -> Limits {
+    Limits { max_operations: 200_000, call_timeout: Duration::from_millis(500), ..Limits::default() }
+}
+
+/// Loads `envs/t.rhai` = HEAD + `step_src` and plays one step; returns the error.
+fn step_error(step_src: &str) -> ScriptError {
+    let dir = project(&[("envs/t.rhai", &format!("{HEAD}{step_src}"))]);
+    let host = Host::new(dir.path(), tight());
+    let e = EnvScript::load(&host, Path::new("envs/t.rhai")).and_then(|e| {
+        let mut ep = e.reset(0, 0, &Map::new())?;
+        ep.step("A")
+    });
+    e.expect_err("the bad script should fail")
+}
+
+// ---- the sandbox and issue 2's bad inputs --------------------------------------------------
+
+#[test]
+fn a_syntax_error_names_path_line_and_column() {
+    let e = step_error("fn step(s, a) {\n  let x = ;\n}\n");
+    assert_eq!((e.path.as_str(), e.line, e.col), ("envs/t.rhai", 5, 11), "{e}");
+    assert!(e.to_string().starts_with("envs/t.rhai:5:11: syntax error"), "{e}");
+}
+
+#[test]
+fn a_runtime_error_inside_step_names_its_line_and_the_call_chain() {
+    let e = step_error("fn step(s, a) { helper(s) }\nfn helper(s) {\n  throw \"boom\";\n}\n");
+    assert_eq!((e.line, e.col), (6, 3), "{e}");
+    assert!(e.message.contains("boom"), "{e}");
+    assert_eq!(e.call_chain, ["helper (called at envs/t.rhai:4:17)"], "{e}");
+}
+
+#[test]
+fn an_endless_loop_stops_at_the_operation_budget() {
+    let e = step_error("fn step(s, a) {\n  loop { s.n += 1; }\n}\n");
+    assert!(e.message.contains("too many operations"), "{e}");
+    assert_eq!(e.line, 4, "points at fn step: {e}");
+}
+
+#[test]
+fn an_endless_loop_stops_at_the_wall_clock_budget_too() {
+    let dir = project(&[("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ loop {{ }} }}\n"))]);
+    let limits = Limits { max_operations: 0, call_timeout: Duration::from_millis(100), ..Limits::default() };
+    let e = EnvScript::load(&Host::new(dir.path(), limits), Path::new("envs/t.rhai")).unwrap();
+    let err = e.reset(0, 0, &Map::new()).unwrap().step("A").unwrap_err();
+    assert!(err.message.contains("timed out"), "{err}");
+}
+
+#[test]
+fn string_and_array_bombs_hit_the_size_limits() {
+    let e = step_error("fn step(s, a) { let t = \"xy\"; loop { t += t; } }\n");
+    assert!(e.message.contains("too large"), "{e}");
+    let e = step_error("fn step(s, a) { let t = [1, 2]; loop { t += t; } }\n");
+    assert!(e.message.contains("too large"), "{e}");
+}
+
+#[test]
+fn deep_recursion_is_stopped() {
+    let e = step_error("fn step(s, a) { deep(0) }\nfn deep(n) { deep(n + 1) }\n");
+    assert!(e.message.contains("stack overflow"), "{e}");
+}
+
+#[test]
+fn eval_is_disabled() {
+    let e = step_error("fn step(s, a) { eval(\"1\") }\n");
+    assert!(e.message.contains("'eval' is disabled") && e.line == 4, "{e}");
+}
+
+#[test]
+fn imports_outside_the_script_folders_are_refused() {
+    for (import, why) in [("/etc/hostname", "absolute"), ("envs/../secret", "`..`"), ("lib/helper", "must name a file under envs/")] {
+        let e = step_error(&format!("fn step(s, a) {{ import \"{import}\" as h; h::f() }}\n"));
+        assert!(e.message.contains(why), "{import}: {e}");
+        assert_eq!(e.line, 4, "points at the import: {e}");
+    }
+}
+
+#[test]
+fn imports_inside_the_script_folders_work_and_change_the_hash() {
+    let dir = project(&[
+        ("envs/lib.rhai", "fn bonus() { 2.0 }\n"),
+        ("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ import \"envs/lib\" as lib; #{{ reward: lib::bonus(), done: true }} }}\n")),
+    ]);
+    let host = Host::new(dir.path(), Limits::default());
+    let e = EnvScript::load(&host, Path::new("envs/t.rhai")).unwrap();
+    assert_eq!(e.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 2.0);
+    assert_eq!(e.script().sources.len(), 2);
+    std::fs::write(dir.path().join("envs/lib.rhai"), "fn bonus() { 3.0 }\n").unwrap();
+    let e2 = EnvScript::load(&host, Path::new("envs/t.rhai")).unwrap();
+    assert_ne!(e.version(), e2.version());
+    // The old version is self-contained: the edit on disk does not leak into it.
+    assert_eq!(e.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 2.0);
+    assert_eq!(e2.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 3.0);
+}
+
+#[test]
+fn a_step_returning_the_wrong_shape_is_named() {
+    let e = step_error("fn step(s, a) { \"moved\" }\n");
+    assert!(e.message.contains("step must return a map") && e.message.contains("got a string"), "{e}");
+    let e = step_error("fn step(s, a) { #{ reward: 1.0, done: false, sucess: true } }\n");
+    assert!(e.message.contains("unknown key `sucess`"), "{e}");
+    let e = step_error("fn step(s, a) { #{ reward: \"1\", done: false } }\n");
+    assert!(e.message.contains("`reward` is a string"), "{e}");
+}
+
+#[test]
+fn a_missing_function_is_named_with_its_parameters() {
+    let dir = project(&[("envs/t.rhai", HEAD)]);
+    let e = EnvScript::load(&Host::new(dir.path(), Limits::default()), Path::new("envs/t.rhai")).unwrap_err();
+    assert_eq!(e.to_string(), "envs/t.rhai: missing `fn step(state, action)`");
+}
+
+#[test]
+fn undefined_variables_and_missing_map_keys_are_errors() {
+    let e = step_error("fn step(s, a) { #{ reward: rewrd, done: true } }\n");
+    assert!(e.message.contains("rewrd") && e.line == 4, "{e}");
+    let e = step_error("fn step(s, a) { let k = s.count; #{ reward: 0.0, done: true } }\n");
+    assert!(e.message.contains("property not found: count"), "{e}");
+}
+
+#[test]
+fn a_reset_that_is_not_deterministic_fails_the_check() {
+    let src = "fn describe(p) { #{ name: \"t\", instruction: \"i\", actions: [\"A\"] } }\n\
+               fn reset(seed, p) { let t = timestamp(); let n = 0; while t.elapsed < 0.002 { n += 1; } #{ n: n } }\n\
+               fn render(s) { `${s.n}` }\n\
+               fn step(s, a) { #{ reward: 0.0, done: true } }\n";
+    let dir = project(&[("envs/t.rhai", src)]);
+    let e = EnvScript::load(&Host::new(dir.path(), Limits::default()), Path::new("envs/t.rhai")).unwrap();
+    let err = check_env(&e, &Map::new(), 3).unwrap_err();
+    assert!(err.to_string().starts_with("envs/t.rhai: not deterministic: seed 0"), "{err}");
+}
+
+#[test]
+fn rng_is_refused_outside_reset_and_step() {
+    let dir = project(&[(
+        "envs/t.rhai",
+        &format!("{}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n", HEAD.replace("`n=${s.n}`", "`${rng::float()}`")),
+    )]);
+    let e = EnvScript::load(&Host::new(dir.path(), Limits::default()), Path::new("envs/t.rhai")).unwrap();
+    let err = e.reset(0, 0, &Map::new()).unwrap().render().unwrap_err();
+    assert!(err.message.contains("only inside reset and step"), "{err}");
+}
+
+#[test]
+fn params_are_overridden_and_unknown_ones_named() {
+    let e = env("sokoban");
+    let p = params(&e, &[("size", "8"), ("boxes", "2")]);
+    assert_eq!((p["size"].clone(), p["boxes"].clone()), (json!(8), json!(2)));
+    let err = e.params(&[("box".into(), "2".into())]).unwrap_err();
+    assert!(err.message.contains("no parameter `box`") && err.message.contains("boxes"), "{err}");
+}
+
+// ---- randomness: a group shares its start, episodes slip differently -------------------------
+
+#[test]
+fn a_group_shares_its_start_state_but_not_its_transitions() {
+    let e = env("frozenlake");
+    let p = params(&e, &[]);
+    let starts: HashSet<String> = (0..8).map(|stream| e.reset(5, stream, &p).unwrap().render().unwrap()).collect();
+    assert_eq!(starts.len(), 1);
+    let after: HashSet<String> = (0..16)
+        .map(|stream| {
+            let mut ep = e.reset(5, stream, &p).unwrap();
+            let a = ep.valid_actions().unwrap()[1].clone();
+            ep.step(&a).unwrap();
+            ep.render().unwrap()
+        })
+        .collect();
+    assert!(after.len() > 1, "16 episodes of one group all moved alike");
+    assert_ne!(e.reset(6, 0, &p).unwrap().render().unwrap(), e.reset(5, 0, &p).unwrap().render().unwrap());
+}
+
+// ---- Sokoban --------------------------------------------------------------------------------
+
+fn sokoban_level(level: &str) -> ragen_lab::script::Episode {
+    let e = env("sokoban");
+    let p = params(&e, &[("level", level)]);
+    e.reset(0, 0, &p).unwrap()
+}
+
+#[test]
+fn sokoban_pushes_boxes_and_pays_for_placing_them() {
+    let mut ep = sokoban_level("######,#PX_O#,######");
+    let o = ep.step("Right").unwrap();
+    assert_eq!((o.reward, o.done, o.effective), (-0.1, false, true));
+    assert_eq!(ep.render().unwrap(), "######\n#_PXO#\n######");
+    let o = ep.step("right").unwrap();
+    assert_eq!((o.reward, o.done, o.success), (-0.1 + 1.0 + 10.0, true, true));
+    assert_eq!(ep.render().unwrap(), "######\n#__P√#\n######");
+}
+
+#[test]
+fn sokoban_walls_and_blocked_boxes_stop_the_player() {
+    let mut ep = sokoban_level("#####,#P#_#,#X__#,#X_O#,#####");
+    let o = ep.step("Up").unwrap();
+    assert_eq!((o.reward, o.effective, o.valid), (-0.1, false, true));
+    let o = ep.step("Right").unwrap();
+    assert!(!o.effective, "wall");
+    let o = ep.step("Down").unwrap();
+    assert!(!o.effective, "a box cannot be pushed into another box");
+    assert_eq!(ep.render().unwrap(), "#####\n#P#_#\n#X__#\n#X_O#\n#####");
+    let o = ep.step("Jump").unwrap();
+    assert!(!o.valid && o.reward == 0.0);
+}
+
+#[test]
+fn sokoban_pushing_a_box_off_a_target_costs_one() {
+    let mut ep = sokoban_level("######,#P√_O#,######");
+    let o = ep.step("Right").unwrap();
+    assert!((o.reward - (-0.1 - 1.0)).abs() < 1e-9, "{o:?}");
+    assert_eq!(ep.render().unwrap(), "######\n#_SXO#\n######");
+    let o = ep.step("Right").unwrap();
+    assert!((o.reward - (-0.1 + 1.0 + 10.0)).abs() < 1e-9 && o.success, "{o:?}");
+}
+
+#[test]
+fn sokoban_ends_after_max_steps() {
+    let e = env("sokoban");
+    let p = params(&e, &[("level", "#####,#P_X_O#,#####".replace("#P_X_O#", "#PXO#").as_str()), ("max_steps", "3")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    assert!(!ep.step("Left").unwrap().done);
+    assert!(!ep.step("Left").unwrap().done);
+    assert!(ep.step("Left").unwrap().done);
+}
+
+/// Breadth-first search over (player, boxes) with push rules; the fewest steps to solve.
+fn solve(grid: &str) -> Option<usize> {
+    let rows: Vec<Vec<char>> = grid.lines().map(|l| l.chars().collect()).collect();
+    let w = rows[0].len();
+    let cells: Vec<char> = rows.concat();
+    let wall = |i: usize| cells[i] == '#';
+    let targets: Vec<usize> = (0..cells.len()).filter(|&i| matches!(cells[i], 'O' | '√' | 'S')).collect();
+    let mut boxes: Vec<usize> = (0..cells.len()).filter(|&i| matches!(cells[i], 'X' | '√')).collect();
+    boxes.sort();
+    let player = (0..cells.len()).find(|&i| matches!(cells[i], 'P' | 'S'))?;
+    let mut seen = HashSet::new();
+    let mut queue = VecDeque::from([(player, boxes, 0usize)]);
+    while let Some((p, b, d)) = queue.pop_front() {
+        if b.iter().all(|x| targets.contains(x)) {
+            return Some(d);
+        }
+        if !seen.insert((p, b.clone())) || d > 60 {
+            continue;
+        }
+        for delta in [-(w as isize), w as isize, -1, 1] {
+            let n = (p as isize + delta) as usize;
+            if wall(n) {
+                continue;
+            }
+            let mut nb = b.clone();
+            if let Some(k) = b.iter().position(|&x| x == n) {
+                let to = (n as isize + delta) as usize;
+                if wall(to) || b.contains(&to) {
+                    continue;
+                }
+                nb[k] = to;
+                nb.sort();
+            }
+            queue.push_back((n, nb, d + 1));
+        }
+    }
+    None
+}
+
+#[test]
+fn generated_sokoban_levels_are_solvable_and_not_solved_at_the_start() {
+    let e = env("sokoban");
+    for (overrides, seeds) in [(vec![], 0..40u64), (vec![("size", "8"), ("boxes", "2")], 0..8u64)] {
+        let p = params(&e, &overrides);
+        for seed in seeds {
+            let grid = e.reset(seed, 0, &p).unwrap().render().unwrap();
+            let steps = solve(&grid).unwrap_or_else(|| panic!("seed {seed} {overrides:?} unsolvable:\n{grid}"));
+            assert!(steps > 0, "seed {seed} starts solved:\n{grid}");
+            let n: usize = p["size"].as_u64().unwrap() as usize;
+            assert_eq!(grid.lines().count(), n);
+            assert!(grid.lines().all(|l| l.chars().count() == n));
+            assert_eq!(grid.matches(['X', '√']).count(), p["boxes"].as_u64().unwrap() as usize, "{grid}");
+        }
+    }
+}
+
+// ---- FrozenLake -------------------------------------------------------------------------------
+
+#[test]
+fn frozenlake_slips_perpendicular_two_thirds_of_the_time() {
+    let e = env("frozenlake");
+    let p = params(&e, &[("map", "FFFF,FSFF,FFFF,FFFG")]);
+    let mut counts = std::collections::BTreeMap::new();
+    let n = 3000;
+    for stream in 0..n {
+        let mut ep = e.reset(0, stream, &p).unwrap();
+        ep.step("Down").unwrap();
+        *counts.entry(ep.render().unwrap()).or_insert(0) += 1;
+    }
+    let down = counts["____\n____\n_P__\n___G"];
+    let left = counts["____\nP___\n____\n___G"];
+    let right = counts["____\n__P_\n____\n___G"];
+    assert_eq!(down + left + right, n, "only the intended and perpendicular moves: {counts:?}");
+    // Each ~1000 with sd ~26: a 5-sd band.
+    for c in [down, left, right] {
+        assert!((870..=1130).contains(&c), "{counts:?}");
+    }
+}
+
+#[test]
+fn frozenlake_edges_stop_moves_and_holes_and_goal_end_the_episode() {
+    let e = env("frozenlake");
+    let p = params(&e, &[("map", "SHFF,FFFF,FFFF,FFFG"), ("slippery", "false")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    let o = ep.step("Up").unwrap();
+    assert!(!o.effective && !o.done && o.reward == 0.0);
+    let o = ep.step("Right").unwrap();
+    assert!(o.done && !o.success && o.reward == 0.0);
+    assert_eq!(ep.render().unwrap(), "_X__\n____\n____\n___G");
+    let p = params(&e, &[("map", "FFFF,FFFF,FFFF,FFSG"), ("slippery", "false")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    let o = ep.step("Right").unwrap();
+    assert!(o.done && o.success && o.reward == 1.0);
+    assert_eq!(ep.render().unwrap(), "____\n____\n____\n___√");
+}
+
+#[test]
+fn frozenlake_maps_have_one_start_one_goal_and_a_path() {
+    let e = env("frozenlake");
+    let p = params(&e, &[]);
+    let mut holes = 0;
+    for seed in 0..200 {
+        let grid = e.reset(seed, 0, &p).unwrap().render().unwrap().replace('\n', "");
+        assert_eq!((grid.len(), grid.matches('P').count(), grid.matches('G').count()), (16, 1, 1), "{grid}");
+        holes += grid.matches('O').count();
+        let cells: Vec<char> = grid.chars().collect();
+        let start = cells.iter().position(|&c| c == 'P').unwrap();
+        let mut seen = vec![false; 16];
+        let mut stack = vec![start];
+        while let Some(i) = stack.pop() {
+            if std::mem::replace(&mut seen[i], true) || cells[i] == 'O' {
+                continue;
+            }
+            let (r, c) = (i / 4, i % 4);
+            stack.extend([(r > 0).then(|| i - 4), (r < 3).then(|| i + 4), (c > 0).then(|| i - 1), (c < 3).then(|| i + 1)].into_iter().flatten());
+        }
+        assert!(seen[cells.iter().position(|&c| c == 'G').unwrap()], "no path:\n{grid}");
+    }
+    // Holes come from cells frozen with p = 0.8, minus maps rejected for having no path.
+    let share = holes as f64 / (200.0 * 14.0);
+    assert!((0.1..0.25).contains(&share), "hole share {share}");
+}
+
+// ---- Bandit, math, invoice ----------------------------------------------------------------------
+
+#[test]
+fn bandit_pays_like_ragen_and_randomises_the_name_order() {
+    let e = env("bandit");
+    let p = params(&e, &[]);
+    let (mut hi_sum, mut hi_wins, n) = (0.0, 0, 4000);
+    for stream in 0..n {
+        let mut ep = e.reset(1, stream, &p).unwrap();
+        let o = ep.step("dragon").unwrap();
+        assert!(o.done && o.success && (o.reward == 0.0 || o.reward == 1.0));
+        hi_sum += o.reward;
+        hi_wins += (o.reward == 1.0) as usize;
+        let lo = e.reset(1, stream, &p).unwrap().step("Phoenix").unwrap();
+        assert_eq!((lo.reward, lo.success), (0.1, false));
+    }
+    // p = 0.25, sd of the mean ~0.007.
+    assert!((hi_sum / n as f64 - 0.25).abs() < 0.035, "{hi_wins}/{n}");
+    let dragon_first = (0..200).filter(|&s| e.reset(s, 0, &p).unwrap().render().unwrap().contains("named Dragon and Phoenix")).count();
+    assert!((60..140).contains(&dragon_first), "{dragon_first}/200");
+    let held_out = params(&e, &[("hi_arm", "Librarian"), ("lo_arm", "Trader")]);
+    let obs = e.reset(0, 0, &held_out).unwrap().render().unwrap();
+    assert!(obs.contains("Librarian") && obs.contains("Trader") && !obs.contains("Dragon"));
+}
+
+#[test]
+fn math_rewards_the_right_value_of_x() {
+    let e = env("math");
+    for d in ["1", "2", "3"] {
+        let p = params(&e, &[("difficulty", d)]);
+        for seed in 0..20 {
+            let ep = e.reset(seed, 0, &p).unwrap();
+            let x = ep.state_json()["x"].as_i64().unwrap();
+            let mut right = e.reset(seed, 0, &p).unwrap();
+            let o = right.step(&format!("x = {x}")).unwrap();
+            assert!(o.success && o.reward == 1.0, "{} {x}", ep.render().unwrap());
+            let mut wrong = e.reset(seed, 0, &p).unwrap();
+            assert_eq!(wrong.step(&format!("{}", x + 1)).unwrap().reward, 0.0);
+        }
+    }
+    let mut ep = e.reset(0, 0, &params(&e, &[])).unwrap();
+    assert!(!ep.step("no idea").unwrap().valid);
+}
+
+#[test]
+fn invoice_rewards_right_decisions_and_extracted_fields() {
+    let e = env("invoice");
+    let p = params(&e, &[("problem_p", "1.0")]);
+    let mut seen = HashSet::new();
+    for seed in 0..30 {
+        let mut ep = e.reset(seed, 0, &p).unwrap();
+        let s = ep.state_json();
+        let problem = s["problem"].as_str().unwrap().to_string();
+        seen.insert(problem.clone());
+        let vendor = s["invoice"]["vendor"].as_str().unwrap().to_string();
+        assert_eq!(ep.step(&format!("extract vendor={vendor}")).unwrap().reward, 0.2);
+        assert_eq!(ep.step(&format!("extract vendor={vendor}")).unwrap().reward, 0.0, "counted once");
+        assert_eq!(ep.step("extract total=0.01").unwrap().reward, -0.1);
+        let o = ep.step("approve").unwrap();
+        assert!(o.done && !o.success && o.reward == -1.0, "approving a {problem} invoice");
+        let mut ep = e.reset(seed, 0, &p).unwrap();
+        if problem == "total" {
+            ep.step("request_correction").unwrap();
+            assert!(ep.render().unwrap().contains("corrected invoice"));
+            let o = ep.step("approve").unwrap();
+            assert!(o.success && o.reward == 1.0);
+        } else {
+            let o = ep.step("reject").unwrap();
+            assert!(o.success && o.reward == 1.0);
+        }
+    }
+    assert_eq!(seen.len(), 2, "both problem kinds appear: {seen:?}");
+    let mut ep = e.reset(0, 0, &params(&e, &[("problem_p", "0.0")])).unwrap();
+    assert!(ep.step("query total").unwrap().valid);
+    assert!(ep.render().unwrap().contains("PO total: "));
+    assert!(!ep.step("dance").unwrap().valid);
+    assert!(ep.step("approve").unwrap().success);
+}
+
+// ---- prompt template and reward shaping ---------------------------------------------------------
+
+#[test]
+fn the_prompt_template_writes_ragens_messages() {
+    let host = repo_host();
+    let prompt = PromptScript::load(&host, Path::new("prompts/ragen.rhai")).unwrap();
+    let e = env("sokoban");
+    let info = e.info(&params(&e, &[])).unwrap();
+    assert_eq!(prompt.system(&info).unwrap(), "You're a helpful assistant. ");
+    let first = TurnContext { turn: 1, obs: "#P#".into(), actions_left: 10, prev_reward: None, think: true, max_tokens: 100 };
+    let text = prompt.user(&info, &first).unwrap();
+    let expected = format!(
+        "{}\nThe meaning of each symbol in the state is:\n#: wall, _: empty, O: target, √: box on target, X: box, P: player, S: player on target\n\
+         Your available actions are:\nUp, Down, Left, Right\nYou can make up to 10 actions, separated by the action separator \" || \"\n\
+         \nTurn 1:\nState:\n#P#\nYou have 10 actions left. Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> \
+         with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n",
+        info.instruction
+    );
+    assert_eq!(text, expected);
+    let second = TurnContext { turn: 2, obs: "#S#".into(), actions_left: 7, prev_reward: Some(-0.3), think: false, max_tokens: 100 };
+    assert_eq!(
+        prompt.user(&info, &second).unwrap(),
+        "Reward:\n-0.3\n\nTurn 2:\nState:\n#S#\nYou have 7 actions left. Always output: <answer> [your answer] </answer> \
+         with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n"
+    );
+}
+
+#[test]
+fn reward_scripts_apply_the_format_penalty_and_the_reasoning_bonus_in_order() {
+    let host = repo_host();
+    let load = |p: &str| RewardScript::load(&host, Path::new(p)).unwrap();
+    let chain = [load("rewards/format_penalty.rhai"), load("rewards/reasoning.rhai")];
+    let acts: Vec<String> = ["Up", "Down"].map(String::from).to_vec();
+    let long = "the box is left of the target so I push it right twice then check it";
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let good = parse_turn(&format!("{long}</think><answer>Up</answer>"), &acts, 5, true);
+    assert!(close(shape_all(&chain, &good, 1.0).unwrap(), 1.05));
+    let short = parse_turn("go</think><answer>Up</answer>", &acts, 5, true);
+    assert!(close(shape_all(&chain, &short, 1.0).unwrap(), 1.0));
+    let invalid = parse_turn("go</think><answer>Up || Fly</answer>", &acts, 5, true);
+    assert!(close(shape_all(&chain, &invalid, 0.0).unwrap(), -0.1));
+    let unparsed = parse_turn("I would go up", &acts, 5, true);
+    assert!(close(shape_all(&chain, &unparsed, 0.0).unwrap(), -0.1));
+}
+
+#[test]
+fn the_bandit_experiment_names_its_scripts_params_and_settings() {
+    let host = repo_host();
+    let x = Experiment::load(&host, Path::new("scripts/bandit.rhai")).unwrap();
+    assert!(x.env.ends_with("envs/bandit.rhai") && x.prompt.ends_with("prompts/ragen.rhai"));
+    assert_eq!(x.rewards.len(), 1);
+    assert_eq!(Value::Object(x.params.clone()), json!({"hi_arm": "Dragon", "lo_arm": "Phoenix"}));
+    assert_eq!(x.val_params.clone().map(Value::Object), Some(json!({"hi_arm": "Librarian", "lo_arm": "Trader"})));
+    assert_eq!(x.settings["rollout"]["group_size"], json!(8));
+    x.scripts(&host).unwrap();
+}
+
+#[test]
+fn an_experiment_naming_a_missing_script_or_param_is_refused() {
+    let dir = project(&[
+        ("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n")),
+        ("scripts/x.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"prompts/none.rhai\" } }\n"),
+        ("scripts/y.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"envs/t.rhai\", params: #{ size: 3 } } }\n"),
+    ]);
+    let host = Host::new(dir.path(), Limits::default());
+    let e = Experiment::load(&host, Path::new("scripts/x.rhai")).unwrap_err();
+    assert!(e.to_string().contains("`prompt`: no such script prompts/none.rhai"), "{e}");
+    let y = Experiment::load(&host, Path::new("scripts/y.rhai")).unwrap();
+    let e = y.scripts(&host).unwrap_err();
+    assert!(e.to_string().contains("parameter `size`"), "{e}");
+}
+
+// ---- live reload --------------------------------------------------------------------------------
+
+const GOOD: &str = r#"fn describe(p) { #{ name: "t", instruction: "i", actions: ["A"] } }
+fn reset(seed, p) { #{ n: 0 } }
+fn render(s) { `n=${s.n}` }
+fn step(s, a) { s.n += 1; #{ reward: 1.0, done: false } }
+"#;
+
+fn next_update(w: &Watcher) -> Update {
+    w.wait(Duration::from_secs(10)).expect("no update within 10 s of the edit")
+}
+
+fn swapped_env(u: Update) -> EnvScript {
+    match u {
+        Update::Swapped { loaded: Loaded::Env(e), .. } => e,
+        other => panic!("expected a swap, got {other:?}"),
+    }
+}
+
+fn reload_cycle(mode: WatchMode) {
+    let dir = project(&[("envs/t.rhai", GOOD)]);
+    let host = Host::new(dir.path(), Limits::default());
+    let path = dir.path().join("envs/t.rhai");
+    let old = EnvScript::load(&host, &path).unwrap();
+    let w = Watcher::new(host.clone(), vec![(path.clone(), Role::Env, Map::new())], mode).unwrap();
+    assert!(w.poll().is_empty());
+
+    // A good edit is offered.
+    std::fs::write(&path, GOOD.replace("reward: 1.0", "reward: 2.0")).unwrap();
+    let new = swapped_env(next_update(&w));
+    assert_ne!(new.version(), old.version());
+    assert_eq!(new.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 2.0);
+
+    // A broken edit is rejected with its location; the versions in hand keep working.
+    std::fs::write(&path, GOOD.replace("s.n += 1;", "s.n += ;")).unwrap();
+    match next_update(&w) {
+        Update::Rejected { error, .. } => assert_eq!((error.path.as_str(), error.line), ("envs/t.rhai", 4), "{error}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    assert_eq!(new.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 2.0);
+
+    // An editor-style save: write a temporary file, rename it over the script.
+    let tmp = dir.path().join("envs/.t.rhai.swp");
+    std::fs::write(&tmp, GOOD.replace("reward: 1.0", "reward: 3.0")).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    let renamed = swapped_env(next_update(&w));
+    assert_eq!(renamed.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 3.0);
+}
+
+#[test]
+fn live_reload_swaps_good_edits_rejects_broken_ones_and_sees_rename_saves() {
+    reload_cycle(WatchMode::Events);
+}
+
+#[test]
+fn live_reload_by_polling_does_the_same() {
+    reload_cycle(WatchMode::Poll(Duration::from_millis(50)));
+}
+
+#[test]
+fn live_reload_recompiles_a_script_when_its_import_changes() {
+    let dir = project(&[
+        ("envs/lib.rhai", "fn pay() { 1.0 }\n"),
+        ("envs/t.rhai", &GOOD.replace("s.n += 1; #{ reward: 1.0", "import \"envs/lib\" as lib; s.n += 1; #{ reward: lib::pay()")),
+    ]);
+    let host = Host::new(dir.path(), Limits::default());
+    let w = Watcher::new(host, vec![(dir.path().join("envs/t.rhai"), Role::Env, Map::new())], WatchMode::Events).unwrap();
+    std::fs::write(dir.path().join("envs/lib.rhai"), "fn pay() { 5.0 }\n").unwrap();
+    let e = swapped_env(next_update(&w));
+    assert_eq!(e.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 5.0);
+}
+
+// ---- the CLI ------------------------------------------------------------------------------------
+
+fn cli(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ragen-lab")).args(args).current_dir(repo()).output().unwrap()
+}
+
+#[test]
+fn play_json_keeps_its_contract() {
+    let out = cli(&["play", "--env", "envs/sokoban.rhai", "--param", "level=######,#PX_O#,######", "--seed", "7", "--actions", "Left,Right,Right,Up", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 4, "reset + 3 steps, stopping at done: {lines:?}");
+    let reset = &lines[0];
+    assert_eq!(reset["event"], "reset");
+    assert_eq!(reset["seed"], 7);
+    assert_eq!(reset["obs"], "######\n#PX_O#\n######");
+    assert_eq!(reset["actions"], json!(["Up", "Down", "Left", "Right"]));
+    assert_eq!(reset["env"], "envs/sokoban.rhai");
+    assert_eq!(reset["version"].as_str().unwrap().len(), 16);
+    assert_eq!(
+        lines[1],
+        json!({"event": "step", "action": "Left", "reward": -0.1, "done": false, "success": false, "valid": true, "effective": false,
+               "obs": "######\n#PX_O#\n######"})
+    );
+    assert_eq!(lines[2]["obs"], "######\n#_PXO#\n######");
+    assert_eq!(
+        lines[3],
+        json!({"event": "step", "action": "Right", "reward": 10.9, "done": true, "success": true, "valid": true, "effective": true,
+               "obs": "######\n#__P√#\n######"})
+    );
+}
+
+#[test]
+fn check_passes_on_every_shipped_script() {
+    let host = repo_host();
+    for dir in ["envs", "prompts", "rewards", "scripts"] {
+        for entry in std::fs::read_dir(repo().join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|x| x == "rhai") {
+                let lines = check(&host, &path, 30, &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(lines.iter().all(|l| l.starts_with("ok: ")), "{lines:?}");
+            }
+        }
+    }
+    let out = cli(&["check", "envs/bandit.rhai", "--episodes", "20"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok: envs/bandit.rhai (env, version "));
+}
+
+#[test]
+fn check_fails_with_the_location_and_a_nonzero_status() {
+    let dir = project(&[("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{\n  s.n += undefined;\n}}\n"))]);
+    let out = Command::new(env!("CARGO_BIN_EXE_ragen-lab")).args(["check", "envs/t.rhai"]).current_dir(dir.path()).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("envs/t.rhai:5:10: "), "{text}");
+}
+
+#[test]
+fn new_writes_a_starter_that_passes_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = env!("CARGO_BIN_EXE_ragen-lab");
+    let out = Command::new(bin).args(["new", "maze"]).current_dir(dir.path()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for script in ["envs/maze.rhai", "scripts/maze.rhai"] {
+        let out = Command::new(bin).args(["check", script, "--episodes", "20"]).current_dir(dir.path()).output().unwrap();
+        assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    let again = Command::new(bin).args(["new", "maze"]).current_dir(dir.path()).output().unwrap();
+    assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
+}
+
+#[test]
+fn play_watch_replays_on_the_new_version() {
+    let dir = project(&[("envs/t.rhai", GOOD)]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
+        .args(["play", "--env", "envs/t.rhai", "--actions", "A,A", "--json", "--watch", "--poll"])
+        .current_dir(dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            if tx.send(line.unwrap()).is_err() {
+                return;
+            }
+        }
+    });
+    let next = || -> Value { serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play printed nothing")).unwrap() };
+    let first: Vec<Value> = (0..3).map(|_| next()).collect();
+    assert_eq!(first[2]["obs"], "n=2");
+    std::fs::write(dir.path().join("envs/t.rhai"), GOOD.replace("`n=${s.n}`", "`count ${s.n}`")).unwrap();
+    let replay: Vec<Value> = (0..3).map(|_| next()).collect();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(replay[0]["event"], "reset");
+    assert_ne!(replay[0]["version"], first[0]["version"]);
+    assert_eq!(replay[2]["obs"], "count 2");
+}
