@@ -127,7 +127,8 @@ pub fn train(opts: Options) -> Result<Summary> {
     }
     s.validate()?;
     let mut scripts = exp.scripts(&host)?;
-    let device = Device::Cpu;
+    // GPU 0 when built with `--features cuda` and one is present, else the CPU.
+    let device = Device::cuda_if_available(0)?;
     let base = Policy::load(&opts.model, &device)?;
     let reference = if s.starpo.kl_coef > 0.0 { Some(base.deep_copy()?) } else { None };
     let (policy, critic) = match &resume_from {

@@ -212,31 +212,33 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
                 let mask = rows_tensor(&mk, t, &dev)?;
                 let old = rows_tensor(&olp, t, &dev)?;
-                let scored = policy.token_logprobs(&tb)?;
-                let (pg, clipped, _) = clipped_surrogate(
-                    &scored.logprobs,
-                    &old,
-                    &rows_tensor(&ad, t, &dev)?,
-                    sp.clip_low,
-                    sp.clip_high,
-                    sp.dual_clip,
-                )?;
-                let pg_loss = seq_mean_token_mean(&pg, &mask)?;
-                let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
-                let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
-                if m.reference.is_some() && sp.kl_coef > 0.0 {
-                    let rl = pick(&ref_lp);
-                    let k = seq_mean_token_mean(&kl(&scored.logprobs, &rows_tensor(&rl, t, &dev)?, sp.kl_type)?, &mask)?;
-                    mb_stats[4] += weight(tb.rows) * k.to_scalar::<f32>()? as f64;
-                    loss = (loss + (k * sp.kl_coef)?)?;
-                }
                 let w = weight(tb.rows);
-                mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
-                mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
-                mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
-                let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
-                mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
-                accumulate_grads(&mut grads, (loss * w)?.backward()?, &m.actor_opt.vars())?;
+                let ad = rows_tensor(&ad, t, &dev)?;
+                let rl = if m.reference.is_some() && sp.kl_coef > 0.0 {
+                    Some(rows_tensor(&pick(&ref_lp), t, &dev)?)
+                } else {
+                    None
+                };
+                // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
+                let (_, g) = policy.loss_and_grads(&tb, |scored| {
+                    let (pg, clipped, _) =
+                        clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
+                    let pg_loss = seq_mean_token_mean(&pg, &mask)?;
+                    let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
+                    let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
+                    if let Some(rl) = &rl {
+                        let k = seq_mean_token_mean(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
+                        mb_stats[4] += w * k.to_scalar::<f32>()? as f64;
+                        loss = (loss + (k * sp.kl_coef)?)?;
+                    }
+                    mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
+                    mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
+                    mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
+                    let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
+                    mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
+                    Ok((loss * w)?)
+                })?;
+                accumulate_grads(&mut grads, g, &m.actor_opt.vars())?;
                 stats.tokens += tb.rows * t;
             }
             let norm = match grads {

@@ -1,0 +1,187 @@
+//! `ragen-lab train` end to end on the tiny random-weight model: a short run writes a run
+//! directory that resumes; a killed run resumes from its checkpoint to the same state as an
+//! uninterrupted one; an env script edited during training is swapped in at the next step, and a
+//! broken edit is reported while the run goes on.
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ragen-lab");
+
+/// Small enough for a debug build on 2 cores: 2 groups × 2 episodes, 12-token responses.
+const TINY: &[&str] = &[
+    "--model",
+    "tiny-llama",
+    "--quiet",
+    "--set",
+    "rollout.env_groups=2",
+    "--set",
+    "rollout.group_size=2",
+    "--set",
+    "rollout.response_length=12",
+    "--set",
+    "train.val_every=0",
+    "--set",
+    "train.save_every=1",
+    "--set",
+    "optim.lr=1e-3",
+];
+
+/// A project folder with the repo's bandit experiment and the scripts it names.
+fn project() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for f in ["envs/bandit.rhai", "prompts/ragen.rhai", "rewards/format_penalty.rhai", "scripts/bandit.rhai"] {
+        let to = dir.path().join(f);
+        fs::create_dir_all(to.parent().unwrap()).unwrap();
+        fs::copy(root.join(f), to).unwrap();
+    }
+    dir
+}
+
+fn train(project: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(BIN);
+    c.current_dir(project).arg("train").args(TINY).args(extra);
+    c
+}
+
+fn run_ok(mut c: Command) -> String {
+    let out = c.output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "ragen-lab train failed:\n{text}");
+    text
+}
+
+fn jsonl(path: &Path) -> Vec<Value> {
+    fs::read_to_string(path).unwrap_or_default().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn steps_of(run: &Path) -> Vec<u64> {
+    jsonl(&run.join("metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect()
+}
+
+fn latest(run: &Path) -> Option<String> {
+    fs::read_to_string(run.join("checkpoints/latest")).ok().map(|s| s.trim().to_string())
+}
+
+/// Waits (polling) until `cond` holds; gives up after a generous limit so a broken run cannot
+/// hang the suite (this bounds the test, it asserts nothing about speed).
+fn wait_for(child: &mut Child, what: &str, mut cond: impl FnMut() -> bool) {
+    let give_up = Instant::now() + Duration::from_secs(300);
+    while !cond() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run exited ({status}) before {what}");
+        }
+        assert!(Instant::now() < give_up, "gave up waiting for {what}");
+        sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn train_bandit_two_steps_writes_a_resumable_run_dir() {
+    let p = project();
+    let run = p.path().join("runs/two");
+    let summary = run_ok(train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", "runs/two"]));
+    assert!(summary.contains("steps 1–2"), "{summary}");
+
+    let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
+    assert_eq!(settings["settings"]["rollout"]["env_groups"], 2);
+    assert_eq!(settings["settings"]["starpo"]["clip_high"], 0.28, "starpo-s is the default preset");
+    let metrics = jsonl(&run.join("metrics.jsonl"));
+    assert_eq!(steps_of(&run), vec![1, 2]);
+    for key in ["rollout/reward_mean", "rollout/in_group_std", "update/entropy", "update/grad_norm", "time/rollout_s", "perf/tokens"] {
+        assert!(metrics[1][key].is_number(), "metrics line lacks {key}: {}", metrics[1]);
+    }
+    let trajs = jsonl(&run.join("rollouts/step-000001.jsonl"));
+    assert_eq!(trajs.len(), 4, "2 groups × 2 episodes");
+    assert_eq!(trajs[0]["seed"], trajs[1]["seed"], "a group shares its seed");
+    assert_ne!(trajs[0]["seed"], trajs[2]["seed"]);
+    let step2 = jsonl(&run.join("rollouts/step-000002.jsonl"));
+    assert_ne!(step2[0]["seed"], trajs[0]["seed"], "fresh seeds every step");
+    let env_hash = trajs[0]["versions"]["env"].as_str().unwrap();
+    assert!(run.join(format!("scripts/{env_hash}.rhai")).exists(), "the env source is kept by its hash");
+    assert_eq!(latest(&run).as_deref(), Some("step-000002"));
+    let ckpt = run.join("checkpoints/step-000002");
+    for f in ["policy/model.safetensors", "policy/config.json", "optimizer.safetensors", "critic/model.safetensors", "state.json"] {
+        assert!(ckpt.join(f).exists(), "checkpoint lacks {f}");
+    }
+
+    // Resume extends the run: step 3 follows, every step logged once.
+    run_ok(train(p.path(), &["--resume", "runs/two", "--steps", "3"]));
+    assert_eq!(steps_of(&run), vec![1, 2, 3]);
+    assert_eq!(latest(&run).as_deref(), Some("step-000003"));
+    assert!(jsonl(&run.join("events.jsonl")).iter().any(|e| e["kind"] == "resume"));
+}
+
+#[test]
+fn a_killed_run_resumes_from_its_checkpoint_to_the_same_state() {
+    let p = project();
+    let killed = p.path().join("runs/killed");
+    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "50", "--run-dir", "runs/killed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&mut child, "the first checkpoint", || latest(&killed).is_some());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let saved: u64 = latest(&killed).unwrap().trim_start_matches("step-").parse().unwrap();
+
+    // Resume one step past the checkpoint, and compare with a run that was never interrupted.
+    let target = (saved + 1).to_string();
+    run_ok(train(p.path(), &["--resume", "runs/killed", "--steps", &target]));
+    run_ok(train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", &target, "--run-dir", "runs/straight"]));
+    let straight = p.path().join("runs/straight");
+    assert_eq!(steps_of(&killed), (1..=saved + 1).collect::<Vec<_>>(), "the step continues from the checkpoint");
+    let last = |run: &Path| jsonl(&run.join("metrics.jsonl")).pop().unwrap();
+    let (a, b) = (last(&killed), last(&straight));
+    for key in ["rollout/reward_mean", "rollout/response_len", "update/pg_loss", "update/entropy", "update/grad_norm"] {
+        assert_eq!(a[key], b[key], "{key} after resume differs from the uninterrupted run");
+    }
+    let weights = |run: &Path| fs::read(run.join(format!("checkpoints/step-{:06}/policy/model.safetensors", saved + 1))).unwrap();
+    assert!(weights(&killed) == weights(&straight), "resumed weights differ from the uninterrupted run's");
+}
+
+#[test]
+fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
+    let p = project();
+    let run = p.path().join("runs/live");
+    let env = p.path().join("envs/bandit.rhai");
+    let original = fs::read_to_string(&env).unwrap();
+    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "40", "--run-dir", "runs/live"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let events = |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
+
+    wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
+    fs::write(&env, original.replace("lo_payout: 0.1", "lo_payout: 0.05")).unwrap();
+    wait_for(&mut child, "the swap", || !events("swap").is_empty());
+    let swap_step = events("swap")[0]["step"].as_u64().unwrap();
+
+    fs::write(&env, format!("{original}\nfn broken( {{")).unwrap();
+    wait_for(&mut child, "the reload error", || !events("reload_error").is_empty());
+    let err_step = events("reload_error")[0]["step"].as_u64().unwrap();
+    wait_for(&mut child, "a step after the broken edit", || steps_of(&run).last().is_some_and(|&s| s >= err_step));
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let msg = events("reload_error")[0]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("envs/bandit.rhai"), "the error names the file: {msg}");
+    let index = jsonl(&run.join("scripts/index.jsonl"));
+    let env_versions: Vec<&str> = index.iter().filter(|l| l["role"] == "env").map(|l| l["hash"].as_str().unwrap()).collect();
+    assert_eq!(env_versions.len(), 2, "the original and the edited env, not the broken one: {index:?}");
+    let version_at = |step: u64| -> String {
+        jsonl(&run.join(format!("rollouts/step-{step:06}.jsonl")))[0]["versions"]["env"].as_str().unwrap().to_string()
+    };
+    assert_eq!(version_at(1), env_versions[0]);
+    assert_eq!(version_at(swap_step), env_versions[1], "trajectories after the swap carry the new version");
+    assert_eq!(version_at(err_step), env_versions[1], "the broken edit left the last good version in use");
+    let edited: PathBuf = run.join(format!("scripts/{}.rhai", env_versions[1]));
+    assert!(fs::read_to_string(edited).unwrap().contains("lo_payout: 0.05"));
+}
