@@ -382,7 +382,7 @@ fn frozenlake_maps_have_one_start_one_goal_and_a_path() {
         holes += grid.matches('O').count();
         let cells: Vec<char> = grid.chars().collect();
         let start = cells.iter().position(|&c| c == 'P').unwrap();
-        let mut seen = vec![false; 16];
+        let mut seen = [false; 16];
         let mut stack = vec![start];
         while let Some(i) = stack.pop() {
             if std::mem::replace(&mut seen[i], true) || cells[i] == 'O' {

@@ -16,6 +16,8 @@ use super::reward::RewardScript;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Experiment {
     pub path: PathBuf,
+    /// Content hash of the experiment script itself (16 hex digits).
+    pub version: String,
     pub env: PathBuf,
     pub prompt: PathBuf,
     pub rewards: Vec<PathBuf>,
@@ -87,7 +89,7 @@ impl Experiment {
         if let Some(k) = m.keys().next() {
             return Err(err(format!("unknown key `{k}`")));
         }
-        Ok(Self { path: script.path.clone(), env, prompt, rewards, params, val_params, settings })
+        Ok(Self { path: script.path.clone(), version: script.version().to_string(), env, prompt, rewards, params, val_params, settings })
     }
 
     /// Compiles the scripts it names and checks `params`/`val_params` against the env's parameters.

@@ -57,13 +57,14 @@ pub enum Loaded {
 }
 
 impl Loaded {
-    /// The content hash (16 hex digits); for an experiment, of its own script.
+    /// The content hash (16 hex digits); for an experiment, of its own script (the scripts it
+    /// names have their own).
     pub fn version(&self) -> String {
         match self {
             Loaded::Env(s) => s.version().to_string(),
             Loaded::Prompt(s) => s.version().to_string(),
             Loaded::Reward(s) => s.version().to_string(),
-            Loaded::Experiment(x) => x.path.display().to_string(),
+            Loaded::Experiment(x) => x.version.clone(),
         }
     }
 }
