@@ -723,3 +723,28 @@ fn play_watch_replays_on_the_new_version() {
     assert_ne!(replay[0]["version"], first[0]["version"]);
     assert_eq!(replay[2]["obs"], "count 2");
 }
+
+#[test]
+fn episodes_run_on_many_threads_exactly_as_on_one() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Host>();
+    send_sync::<EnvScript>();
+    send_sync::<ragen_lab::script::Episode>();
+    let e = env("frozenlake");
+    let p = params(&e, &[]);
+    let play = |seed: u64| -> Vec<String> {
+        let mut ep = e.reset(seed, seed, &p).unwrap();
+        let mut trace = vec![ep.render().unwrap()];
+        while !ep.done && ep.steps < 10 {
+            let o = ep.step("Down").unwrap();
+            trace.push(format!("{o:?} {}", ep.render().unwrap()));
+        }
+        trace
+    };
+    let one: Vec<Vec<String>> = (0..32).map(play).collect();
+    let many: Vec<Vec<String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4u64).map(|t| s.spawn(move || (0..8).map(|i| play(t * 8 + i)).collect::<Vec<_>>())).collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(one, many);
+}
