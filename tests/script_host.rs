@@ -660,7 +660,10 @@ fn check_passes_on_every_shipped_script() {
         for entry in std::fs::read_dir(repo().join(dir)).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|x| x == "rhai") {
-                let lines = check(&host, &path, 30, &[]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let lines: Vec<String> = check(&host, &path, 30, &[])
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 assert!(lines.iter().all(|l| l.starts_with("ok: ")), "{lines:?}");
             }
         }
@@ -677,6 +680,22 @@ fn check_fails_with_the_location_and_a_nonzero_status() {
     assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("envs/t.rhai:5:10: "), "{text}");
+}
+
+#[test]
+fn check_reports_every_broken_script_of_an_experiment() {
+    let dir = project(&[
+        ("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n")),
+        ("prompts/p.rhai", "fn system(info) { 1 }\nfn user(info, turn) { \"\" }\n"),
+        ("rewards/r.rhai", "fn shape(turn, reward) {\n  reward + turn.bonus\n}\n"),
+        ("scripts/x.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"prompts/p.rhai\", rewards: [\"rewards/r.rhai\"] } }\n"),
+    ]);
+    let lines = check(&Host::new(dir.path(), Limits::default()), &dir.path().join("scripts/x.rhai"), 5, &[]);
+    let problems: Vec<String> = lines.iter().filter_map(|l| l.as_ref().err().map(|e| e.to_string())).collect();
+    assert_eq!(problems.len(), 2, "{lines:?}");
+    assert!(problems[0].starts_with("prompts/p.rhai: system must return a string; got an integer"), "{problems:?}");
+    assert!(problems[1].starts_with("rewards/r.rhai:2:17: in shape: property not found: bonus"), "{problems:?}");
+    assert!(lines[0].as_ref().is_ok_and(|l| l.starts_with("ok: envs/t.rhai")), "{lines:?}");
 }
 
 #[test]

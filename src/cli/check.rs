@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::rng::Rng;
 use crate::script::validate::{self, Loaded, Role};
-use crate::script::{parse_assignment, EnvScript, Host, Limits, ScriptError};
+use crate::script::{parse_assignment, EnvScript, Experiment, Host, Limits, ScriptError};
 
 /// Check a script: it compiles, defines the functions its role needs (env, prompt template,
 /// reward shaping or experiment: told apart by its functions), and runs under the sandbox
@@ -86,54 +86,75 @@ fn determinism(env: &EnvScript, params: &Map<String, Value>, seed: u64, state: &
     Ok(())
 }
 
-/// Runs every check on `path`; returns the lines to print on success.
-pub fn check(host: &Arc<Host>, path: &std::path::Path, episodes: u64, overrides: &[(String, String)]) -> Result<Vec<String>, ScriptError> {
-    let role = Role::detect(host, path)?;
-    let loaded = validate::load(host, path, role, &Map::new())?;
-    let mut lines = Vec::new();
-    let mut env_check = |env: &EnvScript, base: &Map<String, Value>, label: &str| -> Result<(), ScriptError> {
+/// Runs every check on `path`: one line per script checked, `Ok` (what passed) or the problem.
+/// An experiment's env, template and reward scripts are checked independently, so one run
+/// reports every broken script.
+pub fn check(host: &Arc<Host>, path: &std::path::Path, episodes: u64, overrides: &[(String, String)]) -> Vec<Result<String, ScriptError>> {
+    let env_line = |env: &EnvScript, base: &Map<String, Value>, label: &str| -> Result<String, ScriptError> {
         let p = env.params_from(base)?;
         let p = crate::script::params::apply(env.name(), &p, overrides).map_err(|m| ScriptError::new(env.name(), m))?;
         let r = check_env(env, &p, episodes)?;
-        lines.push(format!(
+        Ok(format!(
             "ok: {} (env, version {}){label}: {} random episodes, {} steps, {} successes, deterministic",
             env.name(), env.version(), r.episodes, r.steps, r.successes
-        ));
-        Ok(())
+        ))
     };
-    match &loaded {
-        Loaded::Env(env) => env_check(env, &Map::new(), "")?,
-        Loaded::Experiment(x) => {
-            let s = x.scripts(host)?;
-            env_check(&s.env, &x.params, " with the experiment's params")?;
-            if let Some(v) = &x.val_params {
-                env_check(&s.env, v, " with val_params")?;
+    let prompt_line = |p: &std::path::Path| -> Result<String, ScriptError> {
+        let Loaded::Prompt(s) = validate::load(host, p, Role::Prompt, &Map::new())? else { unreachable!() };
+        Ok(format!("ok: {} (prompt, version {})", s.script().name, s.version()))
+    };
+    let reward_line = |p: &std::path::Path| -> Result<String, ScriptError> {
+        let Loaded::Reward(s) = validate::load(host, p, Role::Reward, &Map::new())? else { unreachable!() };
+        Ok(format!("ok: {} (reward, version {})", s.script().name, s.version()))
+    };
+    let role = match Role::detect(host, path) {
+        Ok(r) => r,
+        Err(e) => return vec![Err(e)],
+    };
+    match role {
+        Role::Env => vec![EnvScript::load(host, path).and_then(|env| env_line(&env, &Map::new(), ""))],
+        Role::Prompt => vec![prompt_line(path)],
+        Role::Reward => vec![reward_line(path)],
+        Role::Experiment => {
+            let x = match Experiment::load(host, path) {
+                Ok(x) => x,
+                Err(e) => return vec![Err(e)],
+            };
+            let mut out = Vec::new();
+            match EnvScript::load(host, &x.env) {
+                Ok(env) => {
+                    out.push(env_line(&env, &x.params, " with the experiment's params"));
+                    if let Some(v) = &x.val_params {
+                        out.push(env_line(&env, v, " with val_params"));
+                    }
+                }
+                Err(e) => out.push(Err(e)),
             }
-            lines.push(format!("ok: {} (prompt, version {})", s.prompt.script().name, s.prompt.version()));
-            for r in &s.rewards {
-                lines.push(format!("ok: {} (reward, version {})", r.script().name, r.version()));
-            }
-            lines.push(format!("ok: {} (experiment)", host.compile(path)?.name));
+            out.push(prompt_line(&x.prompt));
+            out.extend(x.rewards.iter().map(|r| reward_line(r)));
+            let name = crate::script::project_of(path);
+            let name = path.canonicalize().ok().and_then(|p| p.strip_prefix(&name).ok().map(|p| p.display().to_string()));
+            out.push(Ok(format!("ok: {} (experiment, version {})", name.unwrap_or_else(|| path.display().to_string()), x.version)));
+            out
         }
-        Loaded::Prompt(p) => lines.push(format!("ok: {} (prompt, version {})", p.script().name, p.version())),
-        Loaded::Reward(r) => lines.push(format!("ok: {} (reward, version {})", r.script().name, r.version())),
     }
-    Ok(lines)
 }
 
 pub fn run(args: Args) -> Result<()> {
     let host = Host::for_script(&args.script, Limits::default());
     let overrides = args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
-    match check(&host, &args.script, args.episodes, &overrides) {
-        Ok(lines) => {
-            for l in lines {
-                println!("{l}");
+    let mut problems = 0;
+    for line in check(&host, &args.script, args.episodes, &overrides) {
+        match line {
+            Ok(l) => println!("{l}"),
+            Err(e) => {
+                problems += 1;
+                println!("{e}");
             }
-            Ok(())
-        }
-        Err(e) => {
-            println!("{e}");
-            bail!("check failed: {}", args.script.display())
         }
     }
+    if problems > 0 {
+        bail!("check found {problems} problem(s) in {}", args.script.display());
+    }
+    Ok(())
 }

@@ -254,7 +254,8 @@ impl Episode {
 
     pub fn render(&self) -> Result<String, ScriptError> {
         let v = self.env.0.call("render", (self.state.clone(),), None)?;
-        v.into_string().map_err(|t| ScriptError::new(self.env.name(), format!("render must return a string; got {t}")))
+        let what = type_word(&v);
+        v.into_string().map_err(|_| ScriptError::new(self.env.name(), format!("render must return a string; got {what}")))
     }
 
     pub fn step(&mut self, action: &str) -> Result<StepOutcome, ScriptError> {

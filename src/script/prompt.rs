@@ -51,7 +51,8 @@ impl PromptScript {
     }
 
     fn text(&self, f: &str, v: rhai::Dynamic) -> Result<String, ScriptError> {
-        v.into_string().map_err(|t| ScriptError::new(&self.0.name, format!("{f} must return a string; got {t}")))
+        let what = type_word(&v);
+        v.into_string().map_err(|_| ScriptError::new(&self.0.name, format!("{f} must return a string; got {what}")))
     }
 
     pub fn system(&self, info: &EnvInfo) -> Result<String, ScriptError> {
@@ -62,9 +63,6 @@ impl PromptScript {
     pub fn user(&self, info: &EnvInfo, turn: &TurnContext) -> Result<String, ScriptError> {
         let args = (to_dynamic(info, &self.0.name)?, to_dynamic(turn, &self.0.name)?);
         let v = self.0.call("user", args, None)?;
-        if v.is_unit() {
-            return Err(ScriptError::new(&self.0.name, format!("user must return a string; got {}", type_word(&v))));
-        }
         self.text("user", v)
     }
 }
