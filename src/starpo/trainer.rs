@@ -2,8 +2,8 @@
 //!
 //!   setup (scripts, settings, models, optimisers, run directory, or a checkpoint to resume)
 //!   for each step:
-//!     1. swap in edited scripts at the step boundary (a broken edit is reported, the old
-//!        version stays)
+//!     1. swap in edited scripts at the step boundary (the script watcher compiles and
+//!        smoke-tests them off the hot path; a broken edit is reported, the old version stays)
 //!     2. rollout: P groups × N episodes on fresh seeds
 //!     3. score: R(τ) per trajectory, normalised per group
 //!     4. filter: StarPO-S keeps the groups with the most reward variance
@@ -34,7 +34,7 @@ use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor};
 use crate::metrics::tensorboard::TbWriter;
 use crate::policy::{Critic, Policy};
 use crate::rng::Rng;
-use crate::script::{Experiment, ExperimentScripts, Host, Limits};
+use crate::script::{Experiment, ExperimentScripts, Host, Limits, Loaded, Role, Update, WatchMode, Watcher};
 
 /// What `ragen-lab train` asks for.
 pub struct Options {
@@ -202,31 +202,27 @@ pub fn train(opts: Options) -> Result<Summary> {
     }
 
     // ---- the loop ----------------------------------------------------------------------------
-    let mut reload_error: Option<String> = None;
+    let watcher = watch(&host, &exp)?;
     for step in start_step + 1..=total {
         if opts.stop.load(Ordering::SeqCst) {
             summary.interrupted = true;
             break;
         }
         let t_step = Instant::now();
-        // 1. Swap in edited scripts at the boundary.
-        match exp.scripts(&host) {
-            Ok(new) if changed(&scripts, &new) => {
-                reload_error = None;
-                let msg = swap_message(&scripts, &new);
-                run.event(step, "swap", &msg, Map::new())?;
-                bar.println(format!("step {step}: {msg}"));
-                scripts = new;
-                record_versions(&mut run, step, &scripts)?;
-            }
-            Ok(_) => reload_error = None,
-            Err(e) => {
-                // Reported once per distinct error; the run goes on with the last good version.
-                let msg = format!("{e}; keeping the previous version");
-                if reload_error.as_ref() != Some(&msg) {
+        // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
+        for update in watcher.poll() {
+            match update {
+                Update::Swapped { path, loaded, .. } => {
+                    let (name, old) = swap_in(&mut scripts, &path, loaded);
+                    let msg = format!("swapped in {name} {old} → {}", current_version(&scripts, &path));
+                    run.event(step, "swap", &msg, Map::new())?;
+                    bar.println(format!("step {step}: {msg}"));
+                    record_versions(&mut run, step, &scripts)?;
+                }
+                Update::Rejected { error, .. } => {
+                    let msg = format!("{error}; keeping the previous version");
                     bar.println(format!("step {step}: reload error: {msg}"));
                     run.event(step, "reload_error", &msg, Map::new())?;
-                    reload_error = Some(msg);
                 }
             }
         }
@@ -394,23 +390,47 @@ fn record_versions(run: &mut RunDir, step: u64, s: &ExperimentScripts) -> Result
     Ok(())
 }
 
-fn changed(old: &ExperimentScripts, new: &ExperimentScripts) -> bool {
-    crate::agent::rollout::Versions::of(old) != crate::agent::rollout::Versions::of(new)
+/// Watch the env, prompt and reward scripts the experiment names.
+fn watch(host: &Arc<Host>, exp: &Experiment) -> Result<Watcher> {
+    let mut files = vec![(exp.env.clone(), Role::Env, exp.params.clone()), (exp.prompt.clone(), Role::Prompt, exp.params.clone())];
+    files.extend(exp.rewards.iter().map(|r| (r.clone(), Role::Reward, exp.params.clone())));
+    // OS file events where they work; re-reading every second where they do not (some containers).
+    Watcher::new(host.clone(), files.clone(), WatchMode::Events)
+        .or_else(|_| Watcher::new(host.clone(), files, WatchMode::Poll(std::time::Duration::from_secs(1))))
 }
 
-fn swap_message(old: &ExperimentScripts, new: &ExperimentScripts) -> String {
-    let mut parts = Vec::new();
-    let mut one = |name: &str, a: &str, b: &str| {
-        if a != b {
-            parts.push(format!("{name} {a} → {b}"));
+fn same_file(a: &Path, b: &Path) -> bool {
+    a == b || matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+}
+
+/// Put a new version in place; returns the script's name and the version it replaced.
+fn swap_in(scripts: &mut ExperimentScripts, path: &Path, loaded: Loaded) -> (String, String) {
+    let old = current_version(scripts, path);
+    let name = match loaded {
+        Loaded::Env(e) => {
+            scripts.env = e;
+            scripts.env.script().name.clone()
         }
+        Loaded::Prompt(p) => {
+            scripts.prompt = p;
+            scripts.prompt.script().name.clone()
+        }
+        Loaded::Reward(r) => match scripts.rewards.iter_mut().find(|x| same_file(&x.script().path, path)) {
+            Some(slot) => {
+                *slot = r;
+                slot.script().name.clone()
+            }
+            None => path.display().to_string(),
+        },
+        Loaded::Experiment(_) => path.display().to_string(),
     };
-    one(&old.env.script().name, old.env.version(), new.env.version());
-    one(&old.prompt.script().name, old.prompt.version(), new.prompt.version());
-    for (a, b) in old.rewards.iter().zip(&new.rewards) {
-        one(&a.script().name, a.version(), b.version());
-    }
-    format!("swapped in {}", parts.join(", "))
+    (name, old)
+}
+
+fn current_version(s: &ExperimentScripts, path: &Path) -> String {
+    let mut all = vec![s.env.script(), s.prompt.script()];
+    all.extend(s.rewards.iter().map(|r| r.script()));
+    all.into_iter().find(|x| same_file(&x.path, path)).map(|x| x.version().to_string()).unwrap_or_default()
 }
 
 fn put(m: &mut Map<String, Value>, k: &str, v: f64) {
