@@ -113,8 +113,9 @@ impl Run {
             ),
             Err(_) => None,
         };
-        let metrics = read_metrics(&dir.join("metrics.jsonl"))?;
+        let mut metrics = read_metrics(&dir.join("metrics.jsonl"))?;
         let raw_events = read_jsonl(&dir.join("events.jsonl"))?;
+        merge_validation(&mut metrics, &raw_events);
         let echo = echo_settings(settings.as_ref());
         let alarms = alarms(&metrics, &raw_events, &echo);
         let events = raw_events
@@ -132,6 +133,32 @@ impl Run {
             .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| dir.display().to_string());
         Ok(Run { dir: dir.to_path_buf(), name, settings, metrics, events, alarms, rollouts: rollout_files(dir)? })
+    }
+}
+
+/// Validation results may come only as `validation` events (with their `val/…` numbers, at step 0
+/// before training too): fold those numbers into the metrics line of their step, adding a line
+/// where the step has none, so plots and the viewer find `val/success` either way.
+fn merge_validation(metrics: &mut Vec<Map<String, Value>>, events: &[Map<String, Value>]) {
+    for e in events.iter().filter(|e| e.get("kind").and_then(Value::as_str) == Some("validation")) {
+        let step = step_of(e);
+        let vals: Vec<(&String, &Value)> =
+            e.iter().filter(|(k, v)| k.starts_with("val") && k.contains('/') && v.is_number()).collect();
+        if vals.is_empty() {
+            continue;
+        }
+        let at = match metrics.binary_search_by_key(&step, step_of) {
+            Ok(i) => i,
+            Err(i) => {
+                let mut line = Map::new();
+                line.insert("step".into(), step.into());
+                metrics.insert(i, line);
+                i
+            }
+        };
+        for (k, v) in vals {
+            metrics[at].entry(k.clone()).or_insert_with(|| v.clone());
+        }
     }
 }
 
@@ -233,6 +260,23 @@ mod tests {
         assert_eq!((a[0].kind.as_str(), a[0].since, a[0].source), ("grad_norm_spike", 8, "run"));
         let replayed = alarms(&metrics, &[], &EchoSettings::default());
         assert_eq!(replayed[0].source, "replay");
+    }
+
+    #[test]
+    fn validation_events_fill_in_val_metrics() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\":1,\"a\":1}\n{\"step\":2,\"a\":2,\"val/success\":0.5}\n").unwrap();
+        std::fs::write(
+            dir.path().join("events.jsonl"),
+            "{\"step\":0,\"kind\":\"validation\",\"val/success\":0.1,\"message\":\"m\"}\n\
+             {\"step\":2,\"kind\":\"validation\",\"val/success\":0.9,\"val_heldout/success\":0.2}\n",
+        )
+        .unwrap();
+        let run = Run::open(dir.path()).unwrap();
+        // Step 0 gets a line of its own; a value already in metrics.jsonl wins.
+        assert_eq!(series(&run.metrics, "val/success"), vec![(0, 0.1), (2, 0.5)]);
+        assert_eq!(series(&run.metrics, "val_heldout/success"), vec![(2, 0.2)]);
+        assert_eq!(series(&run.metrics, "a"), vec![(1, 1.0), (2, 2.0)]);
     }
 
     #[test]
