@@ -141,8 +141,16 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
     let (x0, x1) = (x0 as f64, if x1 > x0 { x1 as f64 } else { x0 as f64 + 1.0 });
     let ys = data.iter().flat_map(|d| d.2.iter().map(|p| p.1).chain(d.3.iter().flat_map(|b| [b.1, b.2])));
     let (y0, y1) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
-    let pad = if y1 > y0 { 0.06 * (y1 - y0) } else { 0.5 * y0.abs().max(1.0) };
+    // A flat series (say a constant reward, with float dust) gets a unit-sized window around it.
+    let flat = y1 - y0 <= 1e-9 * y0.abs().max(y1.abs()).max(1.0);
+    let pad = if flat { 0.5 * y0.abs().max(1.0) } else { 0.06 * (y1 - y0) };
     let (y0, y1) = (y0 - pad, y1 + pad);
+    let decimals = (-((y1 - y0) / 6.0).log10().floor()).clamp(0.0, 6.0) as usize;
+    let y_label = move |v: &f64| {
+        // No "-0.0": values that are zero at the axis' precision print as 0.
+        let v = if v.abs() < 0.5 * 10f64.powi(-(decimals as i32)) { 0.0 } else { *v };
+        format!("{v:.decimals$}")
+    };
 
     let mut chart = ChartBuilder::on(area)
         .caption(panel.title, ("sans-serif", font + 4))
@@ -158,6 +166,7 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         .x_labels(8)
         .y_labels(6)
         .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&y_label)
         .label_style(("sans-serif", font))
         .axis_desc_style(("sans-serif", font))
         .light_line_style(RGBColor(246, 246, 246))
@@ -190,7 +199,8 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
     }
 
     for (ri, li, pts, band) in &data {
-        let colour = RUN_COLOURS[ri % RUN_COLOURS.len()];
+        // One run: colour tells the series apart; several: colour is the run, style the series.
+        let colour = RUN_COLOURS[if many { *ri } else { *li } % RUN_COLOURS.len()];
         if !band.is_empty() {
             let poly: Vec<(f64, f64)> = band
                 .iter()
