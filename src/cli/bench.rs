@@ -21,6 +21,9 @@ pub enum What {
     /// Env steps per second through the Rhai host: random valid actions, many episodes, for
     /// each env script (default: every env in envs/).
     Envs(EnvsArgs),
+    /// A policy's generation tokens/s (batch 1, 8, 32) and training tokens/s (8 x 256), with
+    /// ratios against PyTorch from `--compare` (tools/bench_pytorch.py).
+    Policy(crate::policy::bench::PolicyArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -83,6 +86,7 @@ fn env_scripts(dir: &Path) -> Result<Vec<PathBuf>> {
 
 pub fn run(args: Args) -> Result<()> {
     match args.what {
+        What::Policy(a) => crate::policy::bench::run_cli(a),
         What::Envs(a) => {
             let scripts = if a.scripts.is_empty() { env_scripts(Path::new("envs"))? } else { a.scripts };
             if scripts.is_empty() {

@@ -209,6 +209,80 @@ fn bench_training(policy: &Policy, cfg: &BenchConfig) -> Result<TrainingRun> {
     Ok(run)
 }
 
+/// `ragen-lab bench policy`: the flags (kept beside the measurement they steer).
+#[derive(clap::Args, Debug)]
+pub struct PolicyArgs {
+    /// The model: a folder, a .gguf file, a preset, a known name or a hub id.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Generation batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// New tokens per generated row (greedy; a row may stop earlier at its stop id).
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Generation runs per batch size; the fastest counts.
+    #[arg(long, default_value_t = 2)]
+    pub repeats: usize,
+    /// Training batch: sequences per optimiser step (0 skips training).
+    #[arg(long, default_value_t = 8)]
+    pub train_batch: usize,
+    /// Training batch: tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub train_seq: usize,
+    /// Measured training steps, after one warm-up step.
+    #[arg(long, default_value_t = 2)]
+    pub train_steps: usize,
+    /// Sequences per forward/backward pass (gradients accumulate over the batch).
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch: usize,
+    /// Write this run's figures as JSON (the format tools/bench_pytorch.py writes).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<std::path::PathBuf>,
+    /// Print ratios against a results JSON from tools/bench_pytorch.py (above 1: we are faster).
+    #[arg(long, value_name = "FILE")]
+    pub compare: Option<std::path::PathBuf>,
+}
+
+/// Runs `ragen-lab bench policy`.
+pub fn run_cli(args: PolicyArgs) -> Result<()> {
+    // Read the comparison first: a wrong path should not cost a whole benchmark.
+    let theirs: Option<Report> = match &args.compare {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading --compare {}", path.display()))?;
+            Some(serde_json::from_str(&text).with_context(|| {
+                format!("--compare {}: not a results JSON from tools/bench_pytorch.py", path.display())
+            })?)
+        }
+        None => None,
+    };
+    let policy = Policy::load(&args.model, &crate::cli::model::device())?;
+    println!("{}: {} threads, {}", policy.source, rayon::current_num_threads(), features());
+    let cfg = BenchConfig {
+        batches: args.batches,
+        new_tokens: args.new_tokens,
+        repeats: args.repeats,
+        train_batch: args.train_batch,
+        train_seq: args.train_seq,
+        train_steps: args.train_steps,
+        micro_batch: args.micro_batch,
+        seed: 0,
+    };
+    let ours = measure(&policy, &args.model, &cfg)?;
+    if let Some(reply) = &ours.greedy_reply {
+        println!("greedy reply (batch row 0): {reply:?}");
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&ours)? + "\n")
+            .with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    if let Some(theirs) = theirs {
+        println!("\n{}", comparison(&ours, &theirs));
+    }
+    Ok(())
+}
+
 /// A side-by-side table of two reports; the ratio is ours / theirs (above 1: we are faster).
 pub fn comparison(ours: &Report, theirs: &Report) -> String {
     let mut out =
