@@ -184,3 +184,58 @@ impl Config {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(family: Family) -> Config {
+        Config {
+            family,
+            vocab_size: 10,
+            hidden_size: 8,
+            intermediate_size: 16,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 4,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_position_embeddings: 64,
+            tie_word_embeddings: family == Family::Llama,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2, 3],
+        }
+    }
+
+    #[test]
+    fn hf_json_round_trips_for_both_families() {
+        for f in [Family::Llama, Family::Qwen2] {
+            let c = tiny(f);
+            assert_eq!(Config::from_hf_json(&c.to_hf_json(), Path::new("config.json")).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn param_count_counts_biases_and_the_untied_head() {
+        // Llama, tied: embed 80 + layer (norms 16, q 64, k 32, v 32, o 64, mlp 384) + final norm 8
+        assert_eq!(tiny(Family::Llama).num_params(), 80 + 592 + 8);
+        // Qwen2: + q/k/v biases (8 + 4 + 4) + its own lm_head 80
+        assert_eq!(tiny(Family::Qwen2).num_params(), 80 + 592 + 16 + 8 + 80);
+    }
+
+    #[test]
+    fn unsupported_configs_name_the_file_and_the_field() {
+        let mut v = tiny(Family::Llama).to_hf_json();
+        v["model_type"] = "gpt_neox".into();
+        let err = Config::from_hf_json(&v, Path::new("m/config.json")).unwrap_err().to_string();
+        assert!(err.contains("m/config.json") && err.contains("gpt_neox"), "{err}");
+        let mut v = tiny(Family::Llama).to_hf_json();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        let err = Config::from_hf_json(&v, Path::new("m/config.json")).unwrap_err().to_string();
+        assert!(err.contains("hidden_size"), "{err}");
+        v = tiny(Family::Llama).to_hf_json();
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
+        assert!(Config::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string().contains("rope_scaling"));
+    }
+}
