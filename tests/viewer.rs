@@ -44,7 +44,7 @@ fn metrics_line(step: u64, cliff_at: u64, lift: f64) -> Value {
         "update/kl": 0.001 * t, "update/clip_frac": 0.05 + 0.02 * wobble(step, 6), "update/pg_loss": -0.01,
         "time/step_s": 7.5,
     });
-    if step % 10 == 0 {
+    if step.is_multiple_of(10) {
         m["val/success"] = json!(0.1 + 1.5 * lift * t);
     }
     if step == 25 {
@@ -55,7 +55,7 @@ fn metrics_line(step: u64, cliff_at: u64, lift: f64) -> Value {
 }
 
 fn trajectory(step: u64, group: u64, episode: u64, invalid: bool) -> Value {
-    let success = (step + group + episode) % 3 == 0;
+    let success = (step + group + episode).is_multiple_of(3);
     let grid = "#####\n#P_O#\n#__X#\n#####";
     let answer = if invalid { "Right || Jump" } else { "Right" };
     let think = format!("step {step}: the box is right of me and the target below it, so I push right first.");

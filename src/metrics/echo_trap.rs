@@ -705,7 +705,7 @@ mod tests {
             (keys::THINK_LEN, 40.0 - 0.05 * t + jitter(r, 6.0)),
             (keys::REPETITION, 0.1 + jitter(r, 0.08)),
         ];
-        if s % 5 == 0 {
+        if s.is_multiple_of(5) {
             v.extend([("echo/mi_estimate", 1.6 + jitter(r, 0.2)), ("echo/retrieval_accuracy", 0.7), ("echo/mi_samples", 8.0)]);
         }
         v

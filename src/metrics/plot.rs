@@ -92,8 +92,8 @@ pub const PANELS: &[Panel] = &[
     },
 ];
 
-/// tab10 without its red, which marks alarms.
-const RUN_COLOURS: [RGBColor; 8] = [
+/// tab10 without its red, which marks alarms: one colour per run (or per series for one run).
+const PALETTE: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -200,7 +200,7 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
 
     for (ri, li, pts, band) in &data {
         // One run: colour tells the series apart; several: colour is the run, style the series.
-        let colour = RUN_COLOURS[if many { *ri } else { *li } % RUN_COLOURS.len()];
+        let colour = PALETTE[if many { *ri } else { *li } % PALETTE.len()];
         if !band.is_empty() {
             let poly: Vec<(f64, f64)> = band
                 .iter()

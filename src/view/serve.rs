@@ -14,11 +14,9 @@ pub fn serve(dir: &Path, port: u16, ready: impl FnOnce(SocketAddr)) -> Result<()
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, port))
         .with_context(|| format!("cannot listen on 127.0.0.1:{port} (in use? pick another --serve PORT)"))?;
     ready(listener.local_addr()?);
-    for stream in listener.incoming() {
-        // A client that hangs up mid-request is its own problem; keep serving.
-        if let Ok(s) = stream {
-            let _ = handle(dir, s);
-        }
+    // A client that fails to connect or hangs up mid-request is its own problem; keep serving.
+    for s in listener.incoming().flatten() {
+        let _ = handle(dir, s);
     }
     Ok(())
 }
