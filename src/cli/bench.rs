@@ -98,7 +98,15 @@ pub fn run(args: Args) -> Result<()> {
                 if Role::detect(&host, &path)? != Role::Env {
                     continue;
                 }
-                let env = EnvScript::load(&host, &path)?;
+                // Helper modules under envs/ (imported by envs) define no env functions: skip them.
+                let env = match EnvScript::load(&host, &path) {
+                    Ok(e) => e,
+                    Err(e) if e.line == 0 && e.message.starts_with("missing `fn") => {
+                        eprintln!("skipping {} (not an env: {})", path.display(), e.message);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 let b = bench_env(&env, Duration::from_secs_f64(a.seconds))?;
                 let per_step = if b.steps > 0 { b.step_s / b.steps as f64 } else { 0.0 };
                 println!(
