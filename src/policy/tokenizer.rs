@@ -138,4 +138,20 @@ mod tests {
         assert!(ids_a.contains(&0), "special token must be one id: {ids_a:?}");
         assert_eq!(c.decode(&ids_c, false).unwrap(), text);
     }
+
+    #[test]
+    fn qwen2_and_llama3_pre_tokenizers_build_and_split_digits_their_way() {
+        let a = train_bpe(CORPUS, 300, &["<|endoftext|>"]).unwrap();
+        let (tokens, merges) = vocab_and_merges(&a).unwrap();
+        let pieces = |pre: &str| {
+            let t = byte_level_bpe(&tokens, &merges, &[0], pre).unwrap();
+            let enc = t.encode("Up 12345", false).unwrap();
+            assert_eq!(t.decode(enc.get_ids(), false).unwrap(), "Up 12345", "{pre}");
+            enc.get_tokens().to_vec()
+        };
+        // Qwen2 splits digits one by one; Llama-3 in groups of up to three.
+        assert!(pieces("qwen2").ends_with(&["1", "2", "3", "4", "5"].map(String::from)));
+        assert!(pieces("llama-bpe").iter().all(|p| p.chars().filter(char::is_ascii_digit).count() <= 3));
+        assert!(byte_level_bpe(&tokens, &merges, &[0], "no-such-pre").is_err());
+    }
 }
