@@ -15,6 +15,7 @@ use serde_json::{json, Map, Value};
 
 use crate::script::Script;
 
+#[derive(Debug)]
 pub struct RunDir {
     pub path: PathBuf,
     /// (role, path, hash) already in scripts/index.jsonl.
