@@ -30,7 +30,8 @@ use super::rundir::{now, peak_rss_mb, RunDir};
 use super::settings::{Algo, FilterKind, Preset, Settings};
 use super::update::{update, Item, Models, UpdateStats};
 use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
-use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor};
+use crate::metrics::collapse::template_collapse;
+use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor, MutualInfo};
 use crate::metrics::tensorboard::TbWriter;
 use crate::policy::{Critic, Policy};
 use crate::rng::Rng;
@@ -284,6 +285,11 @@ pub fn train(opts: Options) -> Result<Summary> {
         put(&mut line, "perf/flops", 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
         if let Some(mb) = peak_rss_mb() {
             put(&mut line, "perf/peak_rss_mb", mb);
+        }
+        if s.echo.mi_every > 0 && step % s.echo.mi_every as u64 == 0 {
+            if let Some(mi) = template_collapse_probe(&policy, &trajs, &members, &s)? {
+                line.extend(mi.to_metrics());
+            }
         }
         let alarms = echo.observe(step, &line);
         record(&alarms, &mut line);
@@ -561,4 +567,36 @@ impl Summary {
         out += &format!("  next: ragen-lab view {}   ragen-lab plot {}\n", self.run_dir.display(), self.run_dir.display());
         out
     }
+}
+
+/// RAGEN-2's template-collapse probe on this step's rollouts: one trajectory per group (members of
+/// a group share their prompt, so only distinct prompts can be told apart), at most
+/// `echo.mi_samples` of them. X is the first turn's prompt up to the assistant header plus
+/// `<think>`; Z is that turn's reasoning without its tags (the parsed think text, or, where the
+/// format broke, the response up to `</think>`, since generation starts inside the think block).
+/// `None` in no-think mode or when fewer than two groups have reasoning to score.
+fn template_collapse_probe(policy: &Policy, trajs: &[Trajectory], members: &[Vec<usize>], s: &Settings) -> Result<Option<MutualInfo>> {
+    if !s.rollout.think {
+        return Ok(None);
+    }
+    let think_open = policy.encode("<think>")?;
+    let (mut prompts, mut traces) = (Vec::new(), Vec::new());
+    for group in members.iter().take(s.echo.mi_samples) {
+        let Some(t) = group.first().map(|&i| &trajs[i]) else { continue };
+        let Some(turn) = t.turns.first() else { continue };
+        let reasoning = turn.think.clone().unwrap_or_else(|| turn.response.split("</think>").next().unwrap_or_default().to_string());
+        let z = policy.encode(reasoning.trim())?;
+        if z.is_empty() {
+            continue;
+        }
+        let first_assistant = t.packed.mask.iter().position(|&m| m).unwrap_or(t.packed.ids.len());
+        let mut x = t.packed.ids[..first_assistant].to_vec();
+        x.extend_from_slice(&think_open);
+        prompts.push(x);
+        traces.push(z);
+    }
+    if prompts.len() < 2 {
+        return Ok(None);
+    }
+    template_collapse(policy, &prompts, &traces, s.optim.micro_batch_size).map(Some)
 }
