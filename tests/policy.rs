@@ -47,7 +47,7 @@ fn training_path_and_cached_sampling_path_give_the_same_logits() {
         let x = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         let h = p.model.hidden(&x, &[0], None, Mode::Train).unwrap().squeeze(0).unwrap();
         let train = p.model.logits(&h).unwrap(); // [T, V]
-        // Sampling path: prefill half, then one token at a time through the KV cache.
+                                                 // Sampling path: prefill half, then one token at a time through the KV cache.
         let mut cache = KvCache::new(&p.model.cfg, 1, t, &Device::Cpu).unwrap();
         let half = t / 2;
         let mut rows = vec![];
@@ -114,7 +114,11 @@ fn gradients_match_finite_differences() {
             let down = loss(&p).to_scalar::<f32>().unwrap();
             nudge(v, idx, eps);
             let fd = (up - down) / (2.0 * eps);
-            assert!((fd - g[idx]).abs() <= 0.02 * g[idx].abs() + 2e-4, "{name} {n}[{idx}]: backward {} vs finite difference {fd}", g[idx]);
+            assert!(
+                (fd - g[idx]).abs() <= 0.02 * g[idx].abs() + 2e-4,
+                "{name} {n}[{idx}]: backward {} vs finite difference {fd}",
+                g[idx]
+            );
         }
     }
 }
@@ -184,7 +188,8 @@ fn chunked_loss_and_grads_equal_plain_backward() {
 fn batched_greedy_generation_equals_one_at_a_time_despite_padding() {
     for name in PRESETS {
         let p = load(name);
-        let prompts = vec![chat(&p, "Up"), chat(&p, "Which is bigger, 3 or 7? Answer in <answer></answer>."), chat(&p, "Go")];
+        let prompts =
+            vec![chat(&p, "Up"), chat(&p, "Which is bigger, 3 or 7? Answer in <answer></answer>."), chat(&p, "Go")];
         let cfg = GenerationConfig { max_new_tokens: 12, temperature: 0.0, ..Default::default() };
         let batched = p.generate(&prompts, &cfg, &mut Rng::new(0)).unwrap();
         let same_as_alone = |batched: &[ragen_lab::policy::Generation], cfg: &GenerationConfig| {
@@ -228,7 +233,8 @@ fn sampling_is_seeded_and_rows_stop_on_their_own() {
 
     // A stop string taken from the sampled text itself ends that row there; the other row runs on.
     let row0 = &a[0];
-    let stop: String = row0.text.chars().skip(1).find(char::is_ascii_alphanumeric).expect("a letter in the text").into();
+    let stop: String =
+        row0.text.chars().skip(1).find(char::is_ascii_alphanumeric).expect("a letter in the text").into();
     let with_stop = GenerationConfig { stop_strings: vec![stop.clone()], ..cfg.clone() };
     let stopped = p.generate(&prompts, &with_stop, &mut Rng::new(7)).unwrap();
     assert_eq!(stopped[0].finish, Finish::Stop, "{:?} / {stop:?}", row0.text);
@@ -289,7 +295,11 @@ fn hf_save_sharded_and_gguf_forms_load_back_the_same_model() {
         for (i, (n, t)) in all.into_iter().enumerate() {
             let file = if i % 2 == 0 { "model-00001-of-00002.safetensors" } else { "model-00002-of-00002.safetensors" };
             map.insert(n.clone(), file.into());
-            if i % 2 == 0 { a.insert(n, t) } else { b.insert(n, t) };
+            if i % 2 == 0 {
+                a.insert(n, t)
+            } else {
+                b.insert(n, t)
+            };
         }
         candle_core::safetensors::save(&a, sharded.join("model-00001-of-00002.safetensors")).unwrap();
         candle_core::safetensors::save(&b, sharded.join("model-00002-of-00002.safetensors")).unwrap();
@@ -324,7 +334,8 @@ fn loader_errors_name_the_file_and_the_missing_tensor() {
     assert!(msg.contains("model.layers.1.mlp.up_proj.weight") && msg.contains("model.safetensors"), "{msg}");
 
     std::fs::remove_file(&path).unwrap();
-    let msg = format!("{:#}", Policy::from_location(&ModelLocation::HfDir(tmp.path().into()), &Device::Cpu).err().unwrap());
+    let msg =
+        format!("{:#}", Policy::from_location(&ModelLocation::HfDir(tmp.path().into()), &Device::Cpu).err().unwrap());
     assert!(msg.contains("no model.safetensors"), "{msg}");
 }
 

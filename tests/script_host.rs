@@ -120,7 +120,9 @@ fn eval_is_disabled() {
 
 #[test]
 fn imports_outside_the_script_folders_are_refused() {
-    for (import, why) in [("/etc/hostname", "absolute"), ("envs/../secret", "`..`"), ("lib/helper", "must name a file under envs/")] {
+    for (import, why) in
+        [("/etc/hostname", "absolute"), ("envs/../secret", "`..`"), ("lib/helper", "must name a file under envs/")]
+    {
         let e = step_error(&format!("fn step(s, a) {{ import \"{import}\" as h; h::f() }}\n"));
         assert!(e.message.contains(why), "{import}: {e}");
         assert_eq!(e.line, 4, "points at the import: {e}");
@@ -131,7 +133,10 @@ fn imports_outside_the_script_folders_are_refused() {
 fn imports_inside_the_script_folders_work_and_change_the_hash() {
     let dir = project(&[
         ("envs/lib.rhai", "fn bonus() { 2.0 }\n"),
-        ("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ import \"envs/lib\" as lib; #{{ reward: lib::bonus(), done: true }} }}\n")),
+        (
+            "envs/t.rhai",
+            &format!("{HEAD}fn step(s, a) {{ import \"envs/lib\" as lib; #{{ reward: lib::bonus(), done: true }} }}\n"),
+        ),
     ]);
     let host = Host::new(dir.path(), Limits::default());
     let e = EnvScript::load(&host, Path::new("envs/t.rhai")).unwrap();
@@ -186,7 +191,10 @@ fn a_reset_that_is_not_deterministic_fails_the_check() {
 fn rng_is_refused_outside_reset_and_step() {
     let dir = project(&[(
         "envs/t.rhai",
-        &format!("{}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n", HEAD.replace("`n=${s.n}`", "`${rng::float()}`")),
+        &format!(
+            "{}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n",
+            HEAD.replace("`n=${s.n}`", "`${rng::float()}`")
+        ),
     )]);
     let e = EnvScript::load(&Host::new(dir.path(), Limits::default()), Path::new("envs/t.rhai")).unwrap();
     let err = e.reset(0, 0, &Map::new()).unwrap().render().unwrap_err();
@@ -389,7 +397,11 @@ fn frozenlake_maps_have_one_start_one_goal_and_a_path() {
                 continue;
             }
             let (r, c) = (i / 4, i % 4);
-            stack.extend([(r > 0).then(|| i - 4), (r < 3).then(|| i + 4), (c > 0).then(|| i - 1), (c < 3).then(|| i + 1)].into_iter().flatten());
+            stack.extend(
+                [(r > 0).then(|| i - 4), (r < 3).then(|| i + 4), (c > 0).then(|| i - 1), (c < 3).then(|| i + 1)]
+                    .into_iter()
+                    .flatten(),
+            );
         }
         assert!(seen[cells.iter().position(|&c| c == 'G').unwrap()], "no path:\n{grid}");
     }
@@ -416,7 +428,8 @@ fn bandit_pays_like_ragen_and_randomises_the_name_order() {
     }
     // p = 0.25, sd of the mean ~0.007.
     assert!((hi_sum / n as f64 - 0.25).abs() < 0.035, "{hi_wins}/{n}");
-    let dragon_first = (0..200).filter(|&s| e.reset(s, 0, &p).unwrap().render().unwrap().contains("named Dragon and Phoenix")).count();
+    let dragon_first =
+        (0..200).filter(|&s| e.reset(s, 0, &p).unwrap().render().unwrap().contains("named Dragon and Phoenix")).count();
     assert!((60..140).contains(&dragon_first), "{dragon_first}/200");
     let held_out = params(&e, &[("hi_arm", "Librarian"), ("lo_arm", "Trader")]);
     let obs = e.reset(0, 0, &held_out).unwrap().render().unwrap();
@@ -486,7 +499,8 @@ fn the_prompt_template_writes_ragens_messages() {
     let e = env("sokoban");
     let info = e.info(&params(&e, &[])).unwrap();
     assert_eq!(prompt.system(&info).unwrap(), "You're a helpful assistant. ");
-    let first = TurnContext { turn: 1, obs: "#P#".into(), actions_left: 10, prev_reward: None, think: true, max_tokens: 100 };
+    let first =
+        TurnContext { turn: 1, obs: "#P#".into(), actions_left: 10, prev_reward: None, think: true, max_tokens: 100 };
     let text = prompt.user(&info, &first).unwrap();
     let expected = format!(
         "{}\nThe meaning of each symbol in the state is:\n#: wall, _: empty, O: target, √: box on target, X: box, P: player, S: player on target\n\
@@ -496,7 +510,14 @@ fn the_prompt_template_writes_ragens_messages() {
         info.instruction
     );
     assert_eq!(text, expected);
-    let second = TurnContext { turn: 2, obs: "#S#".into(), actions_left: 7, prev_reward: Some(-0.3), think: false, max_tokens: 100 };
+    let second = TurnContext {
+        turn: 2,
+        obs: "#S#".into(),
+        actions_left: 7,
+        prev_reward: Some(-0.3),
+        think: false,
+        max_tokens: 100,
+    };
     assert_eq!(
         prompt.user(&info, &second).unwrap(),
         "Reward:\n-0.3\n\nTurn 2:\nState:\n#S#\nYou have 7 actions left. Always output: <answer> [your answer] </answer> \
@@ -539,7 +560,10 @@ fn an_experiment_naming_a_missing_script_or_param_is_refused() {
     let dir = project(&[
         ("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{ #{{ reward: 0.0, done: true }} }}\n")),
         ("scripts/x.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"prompts/none.rhai\" } }\n"),
-        ("scripts/y.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"envs/t.rhai\", params: #{ size: 3 } } }\n"),
+        (
+            "scripts/y.rhai",
+            "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"envs/t.rhai\", params: #{ size: 3 } } }\n",
+        ),
     ]);
     let host = Host::new(dir.path(), Limits::default());
     let e = Experiment::load(&host, Path::new("scripts/x.rhai")).unwrap_err();
@@ -612,10 +636,14 @@ fn live_reload_by_polling_does_the_same() {
 fn live_reload_recompiles_a_script_when_its_import_changes() {
     let dir = project(&[
         ("envs/lib.rhai", "fn pay() { 1.0 }\n"),
-        ("envs/t.rhai", &GOOD.replace("s.n += 1; #{ reward: 1.0", "import \"envs/lib\" as lib; s.n += 1; #{ reward: lib::pay()")),
+        (
+            "envs/t.rhai",
+            &GOOD.replace("s.n += 1; #{ reward: 1.0", "import \"envs/lib\" as lib; s.n += 1; #{ reward: lib::pay()"),
+        ),
     ]);
     let host = Host::new(dir.path(), Limits::default());
-    let w = Watcher::new(host, vec![(dir.path().join("envs/t.rhai"), Role::Env, Map::new())], WatchMode::Events).unwrap();
+    let w =
+        Watcher::new(host, vec![(dir.path().join("envs/t.rhai"), Role::Env, Map::new())], WatchMode::Events).unwrap();
     std::fs::write(dir.path().join("envs/lib.rhai"), "fn pay() { 5.0 }\n").unwrap();
     let e = swapped_env(next_update(&w));
     assert_eq!(e.reset(0, 0, &Map::new()).unwrap().step("A").unwrap().reward, 5.0);
@@ -629,9 +657,21 @@ fn cli(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn play_json_keeps_its_contract() {
-    let out = cli(&["play", "--env", "envs/sokoban.rhai", "--param", "level=######,#PX_O#,######", "--seed", "7", "--actions", "Left,Right,Right,Up", "--json"]);
+    let out = cli(&[
+        "play",
+        "--env",
+        "envs/sokoban.rhai",
+        "--param",
+        "level=######,#PX_O#,######",
+        "--seed",
+        "7",
+        "--actions",
+        "Left,Right,Right,Up",
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<Value> = String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 4, "reset + 3 steps, stopping at done: {lines:?}");
     let reset = &lines[0];
     assert_eq!(reset["event"], "reset");
@@ -676,7 +716,11 @@ fn check_passes_on_every_shipped_script() {
 #[test]
 fn check_fails_with_the_location_and_a_nonzero_status() {
     let dir = project(&[("envs/t.rhai", &format!("{HEAD}fn step(s, a) {{\n  s.n += undefined;\n}}\n"))]);
-    let out = Command::new(env!("CARGO_BIN_EXE_ragen-lab")).args(["check", "envs/t.rhai"]).current_dir(dir.path()).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
+        .args(["check", "envs/t.rhai"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("envs/t.rhai:5:10: "), "{text}");
@@ -705,7 +749,8 @@ fn new_writes_a_starter_that_passes_check() {
     let out = Command::new(bin).args(["new", "maze"]).current_dir(dir.path()).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for script in ["envs/maze.rhai", "scripts/maze.rhai"] {
-        let out = Command::new(bin).args(["check", script, "--episodes", "20"]).current_dir(dir.path()).output().unwrap();
+        let out =
+            Command::new(bin).args(["check", script, "--episodes", "20"]).current_dir(dir.path()).output().unwrap();
         assert!(out.status.success(), "{script}: {}", String::from_utf8_lossy(&out.stdout));
     }
     let again = Command::new(bin).args(["new", "maze"]).current_dir(dir.path()).output().unwrap();
@@ -731,7 +776,9 @@ fn play_watch_replays_on_the_new_version() {
             }
         }
     });
-    let next = || -> Value { serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play printed nothing")).unwrap() };
+    let next = || -> Value {
+        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play printed nothing")).unwrap()
+    };
     let first: Vec<Value> = (0..3).map(|_| next()).collect();
     assert_eq!(first[2]["obs"], "n=2");
     std::fs::write(dir.path().join("envs/t.rhai"), GOOD.replace("`n=${s.n}`", "`count ${s.n}`")).unwrap();
@@ -762,7 +809,8 @@ fn episodes_run_on_many_threads_exactly_as_on_one() {
     };
     let one: Vec<Vec<String>> = (0..32).map(play).collect();
     let many: Vec<Vec<String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..4u64).map(|t| s.spawn(move || (0..8).map(|i| play(t * 8 + i)).collect::<Vec<_>>())).collect();
+        let handles: Vec<_> =
+            (0..4u64).map(|t| s.spawn(move || (0..8).map(|i| play(t * 8 + i)).collect::<Vec<_>>())).collect();
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(one, many);

@@ -93,7 +93,14 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     assert_eq!(settings["settings"]["starpo"]["clip_high"], 0.28, "starpo-s is the default preset");
     let metrics = jsonl(&run.join("metrics.jsonl"));
     assert_eq!(steps_of(&run), vec![1, 2]);
-    for key in ["rollout/reward_mean", "rollout/in_group_std", "update/entropy", "update/grad_norm", "time/rollout_s", "perf/tokens"] {
+    for key in [
+        "rollout/reward_mean",
+        "rollout/in_group_std",
+        "update/entropy",
+        "update/grad_norm",
+        "time/rollout_s",
+        "perf/tokens",
+    ] {
         assert!(metrics[1][key].is_number(), "metrics line lacks {key}: {}", metrics[1]);
     }
     let trajs = jsonl(&run.join("rollouts/step-000001.jsonl"));
@@ -106,7 +113,13 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     assert!(run.join(format!("scripts/{env_hash}.rhai")).exists(), "the env source is kept by its hash");
     assert_eq!(latest(&run).as_deref(), Some("step-000002"));
     let ckpt = run.join("checkpoints/step-000002");
-    for f in ["policy/model.safetensors", "policy/config.json", "optimizer.safetensors", "critic/model.safetensors", "state.json"] {
+    for f in [
+        "policy/model.safetensors",
+        "policy/config.json",
+        "optimizer.safetensors",
+        "critic/model.safetensors",
+        "state.json",
+    ] {
         assert!(ckpt.join(f).exists(), "checkpoint lacks {f}");
     }
 
@@ -142,7 +155,8 @@ fn a_killed_run_resumes_from_its_checkpoint_to_the_same_state() {
     for key in ["rollout/reward_mean", "rollout/response_len", "update/pg_loss", "update/entropy", "update/grad_norm"] {
         assert_eq!(a[key], b[key], "{key} after resume differs from the uninterrupted run");
     }
-    let weights = |run: &Path| fs::read(run.join(format!("checkpoints/step-{:06}/policy/model.safetensors", saved + 1))).unwrap();
+    let weights =
+        |run: &Path| fs::read(run.join(format!("checkpoints/step-{:06}/policy/model.safetensors", saved + 1))).unwrap();
     assert!(weights(&killed) == weights(&straight), "resumed weights differ from the uninterrupted run's");
 }
 
@@ -157,7 +171,8 @@ fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let events = |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
+    let events =
+        |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
 
     wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
     fs::write(&env, original.replace("lo_payout: 0.1", "lo_payout: 0.05")).unwrap();
@@ -174,7 +189,8 @@ fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
     let msg = events("reload_error")[0]["message"].as_str().unwrap().to_string();
     assert!(msg.contains("envs/bandit.rhai"), "the error names the file: {msg}");
     let index = jsonl(&run.join("scripts/index.jsonl"));
-    let env_versions: Vec<&str> = index.iter().filter(|l| l["role"] == "env").map(|l| l["hash"].as_str().unwrap()).collect();
+    let env_versions: Vec<&str> =
+        index.iter().filter(|l| l["role"] == "env").map(|l| l["hash"].as_str().unwrap()).collect();
     assert_eq!(env_versions.len(), 2, "the original and the edited env, not the broken one: {index:?}");
     let version_at = |step: u64| -> String {
         jsonl(&run.join(format!("rollouts/step-{step:06}.jsonl")))[0]["versions"]["env"].as_str().unwrap().to_string()

@@ -76,7 +76,8 @@ fn trajectory(step: u64, group: u64, episode: u64, invalid: bool) -> Value {
 
 fn rollout_file(run: &Path, step: u64, validation: bool) {
     let name = if validation { format!("val-step-{step:06}.jsonl") } else { format!("step-{step:06}.jsonl") };
-    let lines: Vec<Value> = (0..2).flat_map(|g| (0..2).map(move |e| (g, e)))
+    let lines: Vec<Value> = (0..2)
+        .flat_map(|g| (0..2).map(move |e| (g, e)))
         .map(|(g, e)| trajectory(step, g, e, !validation && g == 0 && e == 0))
         .collect();
     write_jsonl(&run.join("rollouts").join(name), &lines);
@@ -85,18 +86,28 @@ fn rollout_file(run: &Path, step: u64, validation: bool) {
 /// Writes a run directory of `steps` steps (the trainer's layout).
 fn fixture_run(run: &Path, steps: u64, cliff_at: u64, lift: f64) {
     std::fs::create_dir_all(run.join("scripts")).unwrap();
-    std::fs::write(run.join("settings.json"), serde_json::to_string_pretty(&json!({
-        "preset": "starpo-s", "model": "tiny-qwen2", "experiment": "scripts/sokoban.rhai",
-        "starpo": {"clip_low": 0.2, "clip_high": 0.28, "keep_ratio": 0.25}, "echo": {"spike_factor": 5.0}
-    })).unwrap()).unwrap();
+    std::fs::write(
+        run.join("settings.json"),
+        serde_json::to_string_pretty(&json!({
+            "preset": "starpo-s", "model": "tiny-qwen2", "experiment": "scripts/sokoban.rhai",
+            "starpo": {"clip_low": 0.2, "clip_high": 0.28, "keep_ratio": 0.25}, "echo": {"spike_factor": 5.0}
+        }))
+        .unwrap(),
+    )
+    .unwrap();
     std::fs::write(run.join("scripts").join("a1b2c3d4e5f60718.rhai"), "fn reset(seed) { #{} }\n").unwrap();
-    write_jsonl(&run.join("scripts").join("index.jsonl"), &[
-        json!({"step": 1, "role": "env", "path": "envs/sokoban.rhai", "hash": "a1b2c3d4e5f60718"}),
-        json!({"step": 1, "role": "prompt", "path": "prompts/default.rhai", "hash": "0c1d2e3f40516273"}),
-        json!({"step": 10, "role": "env", "path": "envs/sokoban.rhai", "hash": "9f8e7d6c5b4a3921"}),
-    ]);
+    write_jsonl(
+        &run.join("scripts").join("index.jsonl"),
+        &[
+            json!({"step": 1, "role": "env", "path": "envs/sokoban.rhai", "hash": "a1b2c3d4e5f60718"}),
+            json!({"step": 1, "role": "prompt", "path": "prompts/default.rhai", "hash": "0c1d2e3f40516273"}),
+            json!({"step": 10, "role": "env", "path": "envs/sokoban.rhai", "hash": "9f8e7d6c5b4a3921"}),
+        ],
+    );
     write_jsonl(&run.join("metrics.jsonl"), &(1..=steps).map(|s| metrics_line(s, cliff_at, lift)).collect::<Vec<_>>());
-    let mut events = vec![json!({"step": 10, "time": 1_767_000_075.0, "kind": "swap", "message": "envs/sokoban.rhai a1b2c3d4 -> 9f8e7d6c"})];
+    let mut events = vec![
+        json!({"step": 10, "time": 1_767_000_075.0, "kind": "swap", "message": "envs/sokoban.rhai a1b2c3d4 -> 9f8e7d6c"}),
+    ];
     if steps >= 25 {
         events.push(json!({"step": 25, "time": 1_767_000_187.5, "kind": "alarm", "alarm": "grad_norm_spike", "since": 25,
             "message": "grad_norm_spike: gradient norm 14.0000 is 12.7× its running median 1.1000 (threshold 5.0×) (since step 25)"}));
@@ -129,9 +140,18 @@ fn find_chromium() -> Option<PathBuf> {
 /// Runs headless chromium with the flags that keep it off the network, to completion.
 fn chromium(exe: &Path, profile: &Path, extra: &[&str], url: &str) -> String {
     let mut child = Command::new(exe)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--disable-dev-shm-usage", "--hide-scrollbars"])
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+        ])
         .arg(format!("--user-data-dir={}", profile.display()))
         .args(extra)
         .arg(url)
@@ -183,7 +203,10 @@ fn viewer_page_shows_steps_turns_invalid_actions_and_alarms_in_headless_chromium
     assert!(dom.contains("Turn 1") && dom.contains("Turn 2"), "turns missing");
     assert!(dom.contains("#P_O#"), "observation grid missing");
     assert!(dom.contains("step 30: the box is right of me"), "think text missing");
-    assert!(dom.contains(r#"<span class="act invalid" title="invalid action">Jump (invalid)</span>"#), "invalid action not marked");
+    assert!(
+        dom.contains(r#"<span class="act invalid" title="invalid action">Jump (invalid)</span>"#),
+        "invalid action not marked"
+    );
     assert!(dom.contains("9f8e7d6c5b"), "script version missing");
     // Alarms: the recorded spike and the variance cliff the replay finds at step 18.
     assert!(dom.contains("2 alarms: variance_cliff, grad_norm_spike"), "alarm summary missing");
@@ -197,14 +220,22 @@ fn viewer_page_shows_steps_turns_invalid_actions_and_alarms_in_headless_chromium
 
     let shot = artifacts.join("viewer-screenshot.png");
     let _ = std::fs::remove_file(&shot);
-    chromium(&exe, &tmp.path().join("profile"),
-             &[&format!("--screenshot={}", shot.display()), "--window-size=1280,1400"], &url);
+    chromium(
+        &exe,
+        &tmp.path().join("profile"),
+        &[&format!("--screenshot={}", shot.display()), "--window-size=1280,1400"],
+        &url,
+    );
     let png = std::fs::read(&shot).unwrap();
     assert!(png.starts_with(b"\x89PNG") && png.len() > 20_000, "screenshot too small: {} bytes", png.len());
     // The charts tab, opened from the URL.
     let charts = artifacts.join("viewer-charts.png");
-    chromium(&exe, &tmp.path().join("profile"),
-             &[&format!("--screenshot={}", charts.display()), "--window-size=1280,1100"], &format!("{url}#tab=charts"));
+    chromium(
+        &exe,
+        &tmp.path().join("profile"),
+        &[&format!("--screenshot={}", charts.display()), "--window-size=1280,1100"],
+        &format!("{url}#tab=charts"),
+    );
     eprintln!("viewer screenshots: {} {}", shot.display(), charts.display());
 }
 

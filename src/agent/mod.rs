@@ -3,5 +3,5 @@
 //! batched multi-turn rollout (`rollout`).
 pub mod history;
 pub mod pack;
-pub mod turn;
 pub mod rollout;
+pub mod turn;

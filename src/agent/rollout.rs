@@ -121,7 +121,8 @@ pub fn rollout(
     let per_turn = if s.max_actions_per_turn > 0 { s.max_actions_per_turn } else { info.max_actions_per_turn }.max(1);
     let system = scripts.prompt.system(&info)?;
     let open_tag = if s.think { "<think>" } else { "<answer>" };
-    let open_ids = policy.tokenizer.encode(open_tag, false).map_err(|e| anyhow::anyhow!("tokenizing {open_tag}: {e}"))?;
+    let open_ids =
+        policy.tokenizer.encode(open_tag, false).map_err(|e| anyhow::anyhow!("tokenizing {open_tag}: {e}"))?;
     let open_ids = open_ids.get_ids().to_vec();
     let gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,

@@ -74,7 +74,14 @@ pub fn parse_turn(response: &str, actions: &[String], max_actions_per_turn: usiz
             invalid.push(piece.to_string());
         }
     }
-    ParsedTurn { think: think_text, answer: Some(answer), actions: valid, invalid_actions: invalid, format_ok: true, response: response.to_string() }
+    ParsedTurn {
+        think: think_text,
+        answer: Some(answer),
+        actions: valid,
+        invalid_actions: invalid,
+        format_ok: true,
+        response: response.to_string(),
+    }
 }
 
 impl ParsedTurn {

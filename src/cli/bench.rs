@@ -62,7 +62,11 @@ pub fn bench_env(env: &EnvScript, budget: Duration) -> Result<EnvBench> {
         let t = Instant::now();
         let mut valid = ep.valid_actions()?;
         while !ep.done && ep.steps < info.max_actions.max(1) {
-            let a = if valid.is_empty() { "0".to_string() } else { valid[chooser.below(valid.len() as u64) as usize].clone() };
+            let a = if valid.is_empty() {
+                "0".to_string()
+            } else {
+                valid[chooser.below(valid.len() as u64) as usize].clone()
+            };
             ep.step(&a)?;
             ep.render()?;
             valid = ep.valid_actions()?;
@@ -92,7 +96,10 @@ pub fn run(args: Args) -> Result<()> {
             if scripts.is_empty() {
                 bail!("no env scripts found in envs/; name them: ragen-lab bench envs envs/x.rhai");
             }
-            println!("{:<28} {:>9} {:>10} {:>12} {:>12} {:>10}", "env", "episodes", "steps", "resets/s", "steps/s", "µs/step");
+            println!(
+                "{:<28} {:>9} {:>10} {:>12} {:>12} {:>10}",
+                "env", "episodes", "steps", "resets/s", "steps/s", "µs/step"
+            );
             for path in scripts {
                 let host = Host::for_script(&path, Limits::default());
                 if Role::detect(&host, &path)? != Role::Env {

@@ -47,7 +47,11 @@ pub fn check_env(env: &EnvScript, params: &Map<String, Value>, episodes: u64) ->
         let mut actions = Vec::new();
         while !ep.done && ep.steps < cap {
             let valid = ep.valid_actions()?;
-            let action = if valid.is_empty() { "0".to_string() } else { valid[chooser.below(valid.len() as u64) as usize].clone() };
+            let action = if valid.is_empty() {
+                "0".to_string()
+            } else {
+                valid[chooser.below(valid.len() as u64) as usize].clone()
+            };
             let out = ep.step(&action)?;
             trace.push(format!("{action} {out:?} {}", ep.render()?));
             actions.push(action);
@@ -63,7 +67,14 @@ pub fn check_env(env: &EnvScript, params: &Map<String, Value>, episodes: u64) ->
 }
 
 /// The same seed, stream and actions must give the same states, observations and rewards.
-fn determinism(env: &EnvScript, params: &Map<String, Value>, seed: u64, state: &Value, trace: &[String], actions: &[String]) -> Result<(), ScriptError> {
+fn determinism(
+    env: &EnvScript,
+    params: &Map<String, Value>,
+    seed: u64,
+    state: &Value,
+    trace: &[String],
+    actions: &[String],
+) -> Result<(), ScriptError> {
     let fail = |what: &str| {
         ScriptError::new(env.name(), format!(
             "not deterministic: seed {seed} gave a different {what} the second time; draw randomness only from rng:: (never from the clock)"
@@ -89,14 +100,23 @@ fn determinism(env: &EnvScript, params: &Map<String, Value>, seed: u64, state: &
 /// Runs every check on `path`: one line per script checked, `Ok` (what passed) or the problem.
 /// An experiment's env, template and reward scripts are checked independently, so one run
 /// reports every broken script.
-pub fn check(host: &Arc<Host>, path: &std::path::Path, episodes: u64, overrides: &[(String, String)]) -> Vec<Result<String, ScriptError>> {
+pub fn check(
+    host: &Arc<Host>,
+    path: &std::path::Path,
+    episodes: u64,
+    overrides: &[(String, String)],
+) -> Vec<Result<String, ScriptError>> {
     let env_line = |env: &EnvScript, base: &Map<String, Value>, label: &str| -> Result<String, ScriptError> {
         let p = env.params_from(base)?;
         let p = crate::script::params::apply(env.name(), &p, overrides).map_err(|m| ScriptError::new(env.name(), m))?;
         let r = check_env(env, &p, episodes)?;
         Ok(format!(
             "ok: {} (env, version {}){label}: {} random episodes, {} steps, {} successes, deterministic",
-            env.name(), env.version(), r.episodes, r.steps, r.successes
+            env.name(),
+            env.version(),
+            r.episodes,
+            r.steps,
+            r.successes
         ))
     };
     let prompt_line = |p: &std::path::Path| -> Result<String, ScriptError> {
@@ -133,8 +153,13 @@ pub fn check(host: &Arc<Host>, path: &std::path::Path, episodes: u64, overrides:
             out.push(prompt_line(&x.prompt));
             out.extend(x.rewards.iter().map(|r| reward_line(r)));
             let name = crate::script::project_of(path);
-            let name = path.canonicalize().ok().and_then(|p| p.strip_prefix(&name).ok().map(|p| p.display().to_string()));
-            out.push(Ok(format!("ok: {} (experiment, version {})", name.unwrap_or_else(|| path.display().to_string()), x.version)));
+            let name =
+                path.canonicalize().ok().and_then(|p| p.strip_prefix(&name).ok().map(|p| p.display().to_string()));
+            out.push(Ok(format!(
+                "ok: {} (experiment, version {})",
+                name.unwrap_or_else(|| path.display().to_string()),
+                x.version
+            )));
             out
         }
     }
@@ -142,7 +167,8 @@ pub fn check(host: &Arc<Host>, path: &std::path::Path, episodes: u64, overrides:
 
 pub fn run(args: Args) -> Result<()> {
     let host = Host::for_script(&args.script, Limits::default());
-    let overrides = args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    let overrides =
+        args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     let mut problems = 0;
     for line in check(&host, &args.script, args.episodes, &overrides) {
         match line {

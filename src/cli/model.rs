@@ -94,9 +94,18 @@ fn info(p: &Policy) -> Result<()> {
     println!("context length:  {}", c.max_position_embeddings);
     println!(
         "shape:           {} layers, hidden {}, ffn {}, {} heads ({} kv, head_dim {}), vocab {}",
-        c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.vocab_size
     );
-    println!("rope theta:      {}   rms eps: {}   tied embeddings: {}", c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings);
+    println!(
+        "rope theta:      {}   rms eps: {}   tied embeddings: {}",
+        c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings
+    );
     for field in ["bos_token", "eos_token", "pad_token"] {
         let v = p.tokenizer_config.get(field).map_or("none".to_string(), |v| v.to_string());
         println!("{:<17}{v}", format!("{field}:"));

@@ -108,7 +108,10 @@ pub fn write_starter(dir: &std::path::Path, name: &str) -> Result<Vec<PathBuf>> 
     if name.is_empty() || !name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
         bail!("new {name:?}: use lowercase letters, digits and underscores, e.g. `ragen-lab new maze`");
     }
-    let files = [(dir.join("envs").join(format!("{name}.rhai")), ENV_TEMPLATE), (dir.join("scripts").join(format!("{name}.rhai")), EXPERIMENT_TEMPLATE)];
+    let files = [
+        (dir.join("envs").join(format!("{name}.rhai")), ENV_TEMPLATE),
+        (dir.join("scripts").join(format!("{name}.rhai")), EXPERIMENT_TEMPLATE),
+    ];
     for (path, _) in &files {
         if path.exists() {
             bail!("{} already exists; pick another name or delete it first", path.display());
@@ -118,7 +121,9 @@ pub fn write_starter(dir: &std::path::Path, name: &str) -> Result<Vec<PathBuf>> 
     // The experiment names the shipped prompt and format penalty: provide them where missing.
     let shared = [("prompts/ragen.rhai", PROMPT), ("rewards/format_penalty.rhai", FORMAT_PENALTY)];
     let missing = shared.into_iter().filter(|(p, _)| !dir.join(p).exists()).map(|(p, t)| (dir.join(p), t));
-    for (path, text) in files.into_iter().map(|(p, t)| (p, t.replace("NAME", name))).chain(missing.map(|(p, t)| (p, t.to_string()))) {
+    for (path, text) in
+        files.into_iter().map(|(p, t)| (p, t.replace("NAME", name))).chain(missing.map(|(p, t)| (p, t.to_string())))
+    {
         let parent = path.parent().unwrap_or(dir);
         std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -131,6 +136,9 @@ pub fn run(args: Args) -> Result<()> {
     for p in write_starter(&args.dir, &args.name)? {
         println!("wrote {}", p.display());
     }
-    println!("next: ragen-lab play --env {0}  and  ragen-lab check {0}", args.dir.join("envs").join(format!("{}.rhai", args.name)).display());
+    println!(
+        "next: ragen-lab play --env {0}  and  ragen-lab check {0}",
+        args.dir.join("envs").join(format!("{}.rhai", args.name)).display()
+    );
     Ok(())
 }

@@ -90,7 +90,15 @@ impl Game {
                 out.reward,
                 if out.valid { "" } else { " (invalid)" },
                 if out.effective || !out.valid { "" } else { " (no effect)" },
-                if out.done { if out.success { ", done: success" } else { ", done" } } else { "" },
+                if out.done {
+                    if out.success {
+                        ", done: success"
+                    } else {
+                        ", done"
+                    }
+                } else {
+                    ""
+                },
             ),
         );
         Ok(out.done)

@@ -4,7 +4,9 @@ use crate::metrics::{plot, run::Run, tensorboard};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
-#[command(after_help = "Charts: reward mean ± std, success (train and validation), in-group reward std, entropy, gradient norm, response and think length, KL, clip fraction, and the template-collapse estimate. Alarms (red, at the step their condition began) and script swaps (grey, dashed) are marked on the step axis. Several runs share each chart (colour = run), e.g. StarPO against StarPO-S. Runs without tb/ also get TensorBoard files written from metrics.jsonl.")]
+#[command(
+    after_help = "Charts: reward mean ± std, success (train and validation), in-group reward std, entropy, gradient norm, response and think length, KL, clip fraction, and the template-collapse estimate. Alarms (red, at the step their condition began) and script swaps (grey, dashed) are marked on the step axis. Several runs share each chart (colour = run), e.g. StarPO against StarPO-S. Runs without tb/ also get TensorBoard files written from metrics.jsonl."
+)]
 pub struct Args {
     /// Run directories (runs/<name>/), each with a metrics.jsonl.
     #[arg(required = true, value_name = "RUN")]

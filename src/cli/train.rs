@@ -55,7 +55,8 @@ pub struct Args {
 
 /// `YYYYMMDD-HHMMSS` in UTC (civil-from-days, Howard Hinnant's algorithm).
 fn utc_stamp() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
     let (days, rem) = (secs.div_euclid(86400), secs.rem_euclid(86400));
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -84,7 +85,9 @@ pub fn run(args: Args) -> Result<()> {
             let saved = RunDir::read_settings(&dir)?;
             let exp = match &args.env {
                 Some(e) => e.clone(),
-                None => PathBuf::from(saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?),
+                None => PathBuf::from(
+                    saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?,
+                ),
             };
             let model = saved["model"].as_str().unwrap_or(&args.model).to_string();
             (exp, model, dir, true)

@@ -4,7 +4,9 @@ use crate::view;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
-#[command(after_help = "One self-contained HTML file that opens offline: every step's trajectories as dialogue turns (observation, collapsible thinking, answer, parsed actions with invalid ones marked, rewards, score, advantage, script versions), filters by step, group, success and validity, a steps table, the metric charts and the Echo-Trap alarms.")]
+#[command(
+    after_help = "One self-contained HTML file that opens offline: every step's trajectories as dialogue turns (observation, collapsible thinking, answer, parsed actions with invalid ones marked, rewards, score, advantage, script versions), filters by step, group, success and validity, a steps table, the metric charts and the Echo-Trap alarms."
+)]
 pub struct Args {
     /// The run directory (runs/<name>/).
     #[arg(value_name = "RUN")]

@@ -12,9 +12,17 @@ use anyhow::{ensure, Result};
 
 /// `m[i][j]` = log p(z_i | x_j): the summed log-probs of trace i's tokens right after prompt j.
 /// Scores N² sequences without gradients, `micro_batch` rows at a time.
-pub fn cross_logprobs(policy: &Policy, prompts: &[Vec<u32>], traces: &[Vec<u32>], micro_batch: usize) -> Result<Vec<Vec<f64>>> {
+pub fn cross_logprobs(
+    policy: &Policy,
+    prompts: &[Vec<u32>],
+    traces: &[Vec<u32>],
+    micro_batch: usize,
+) -> Result<Vec<Vec<f64>>> {
     ensure!(!prompts.is_empty() && !traces.is_empty(), "template-collapse probe: no prompts or traces to score");
-    ensure!(prompts.iter().all(|p| !p.is_empty()), "template-collapse probe: an empty prompt (it must end with <think>)");
+    ensure!(
+        prompts.iter().all(|p| !p.is_empty()),
+        "template-collapse probe: an empty prompt (it must end with <think>)"
+    );
     // Row r = i * N + j holds prompt j followed by trace i.
     let n = prompts.len();
     let pairs: Vec<(usize, usize)> = (0..traces.len()).flat_map(|i| (0..n).map(move |j| (i, j))).collect();
@@ -32,7 +40,12 @@ pub fn cross_logprobs(policy: &Policy, prompts: &[Vec<u32>], traces: &[Vec<u32>]
 }
 
 /// The probe: trace i was sampled after prompt i; returns MI, entropies and retrieval accuracy.
-pub fn template_collapse(policy: &Policy, prompts: &[Vec<u32>], traces: &[Vec<u32>], micro_batch: usize) -> Result<MutualInfo> {
+pub fn template_collapse(
+    policy: &Policy,
+    prompts: &[Vec<u32>],
+    traces: &[Vec<u32>],
+    micro_batch: usize,
+) -> Result<MutualInfo> {
     ensure!(
         prompts.len() == traces.len(),
         "template-collapse probe: {} prompts but {} traces (one trace per prompt)",

@@ -464,10 +464,7 @@ impl EchoTrapMonitor {
                 FallBelowEarly::new(s.entropy_collapse_fraction, s.baseline_steps, 0.0),
                 Latch::new(s.confirm_steps),
             ),
-            entropy_high: (
-                SpikeOverMedian::new(s.entropy_rise_factor, s.median_window),
-                Latch::new(1),
-            ),
+            entropy_high: (SpikeOverMedian::new(s.entropy_rise_factor, s.median_window), Latch::new(1)),
             think: (
                 FallBelowEarly::new(s.think_fraction, s.baseline_steps, s.think_min_baseline),
                 Latch::new(s.confirm_steps),
@@ -566,10 +563,8 @@ pub fn repetition<S: AsRef<str>>(responses: &[S]) -> f64 {
     if responses.is_empty() {
         return 0.0;
     }
-    let norm: Vec<String> = responses
-        .iter()
-        .map(|r| r.as_ref().split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect();
+    let norm: Vec<String> =
+        responses.iter().map(|r| r.as_ref().split_whitespace().collect::<Vec<_>>().join(" ")).collect();
     let mut once = HashSet::new();
     let mut twice = HashSet::new();
     for r in &norm {
@@ -643,10 +638,7 @@ pub fn mutual_information(logp: &[Vec<f64>], truth: &[usize]) -> anyhow::Result<
     for (i, (row, &t)) in logp.iter().zip(truth).enumerate() {
         anyhow::ensure!(row.len() == n, "mutual information: row {i} has {} columns, not {n}", row.len());
         anyhow::ensure!(t < n, "mutual information: trace {i} names prompt {t}, but there are {n}");
-        anyhow::ensure!(
-            row.iter().all(|x| x.is_finite()),
-            "mutual information: row {i} has a non-finite log-prob"
-        );
+        anyhow::ensure!(row.iter().all(|x| x.is_finite()), "mutual information: row {i} has a non-finite log-prob");
         let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         // log-mean-exp, shifted by the max for stability.
         let log_mix = max + (row.iter().map(|x| (x - max).exp()).sum::<f64>() / n as f64).ln();
@@ -706,7 +698,11 @@ mod tests {
             (keys::REPETITION, 0.1 + jitter(r, 0.08)),
         ];
         if s.is_multiple_of(5) {
-            v.extend([("echo/mi_estimate", 1.6 + jitter(r, 0.2)), ("echo/retrieval_accuracy", 0.7), ("echo/mi_samples", 8.0)]);
+            v.extend([
+                ("echo/mi_estimate", 1.6 + jitter(r, 0.2)),
+                ("echo/retrieval_accuracy", 0.7),
+                ("echo/mi_samples", 8.0),
+            ]);
         }
         v
     }
@@ -721,7 +717,8 @@ mod tests {
     /// until 90; the grad norm spikes at 90; entropy collapses from 100; thinking shrinks from 60.
     fn collapsing(s: u64, r: &mut Rng) -> Vec<(&'static str, f64)> {
         let mut v = healthy(s, r);
-        let set = |v: &mut Vec<(&'static str, f64)>, k: &str, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
+        let set =
+            |v: &mut Vec<(&'static str, f64)>, k: &str, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
         if s >= 40 {
             set(&mut v, keys::IN_GROUP_STD, 0.04 + jitter(r, 0.01));
         }
@@ -875,14 +872,18 @@ mod tests {
 
     #[test]
     fn alarms_go_into_the_metrics_line_and_events() {
-        let a = Alarm { kind: AlarmKind::Repetition, step: 9, since: 8, value: 0.9, threshold: 0.5, message: "m".into() };
+        let a =
+            Alarm { kind: AlarmKind::Repetition, step: 9, since: 8, value: 0.9, threshold: 0.5, message: "m".into() };
         let mut line = Map::new();
         record(&[], &mut line);
         assert!(line.is_empty());
         record(std::slice::from_ref(&a), &mut line);
         assert_eq!(line["alarms"], serde_json::json!([{"kind": "repetition", "since": 8, "message": "m"}]));
         let ev = a.event(1.5);
-        assert_eq!((ev["kind"].as_str(), ev["alarm"].as_str(), ev["since"].as_u64()), (Some("alarm"), Some("repetition"), Some(8)));
+        assert_eq!(
+            (ev["kind"].as_str(), ev["alarm"].as_str(), ev["since"].as_u64()),
+            (Some("alarm"), Some("repetition"), Some(8))
+        );
         assert_eq!(a.to_string(), "alarm at step 9: m");
     }
 

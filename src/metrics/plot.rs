@@ -77,8 +77,18 @@ pub const PANELS: &[Panel] = &[
         y: "tokens per turn",
         lines: &[line("rollout/response_len", "response"), line("rollout/think_len", "think")],
     },
-    Panel { file: "kl", title: "KL to the reference", y: "KL", lines: &[line("update/kl", "kl"), line("update/approx_kl", "approx kl (old policy)")] },
-    Panel { file: "clip_frac", title: "Clip fraction", y: "fraction", lines: &[line("update/clip_frac", "clip fraction")] },
+    Panel {
+        file: "kl",
+        title: "KL to the reference",
+        y: "KL",
+        lines: &[line("update/kl", "kl"), line("update/approx_kl", "approx kl (old policy)")],
+    },
+    Panel {
+        file: "clip_frac",
+        title: "Clip fraction",
+        y: "fraction",
+        lines: &[line("update/clip_frac", "clip fraction")],
+    },
     Panel {
         file: "mutual_info",
         title: "Template collapse: MI(prompt; reasoning)",
@@ -183,7 +193,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         }
         for a in &run.alarms {
             let x = a.since as f64;
-            chart.draw_series(std::iter::once(PathElement::new([(x, y0), (x, y1)], ALARM.stroke_width(1)))).map_err(err)?;
+            chart
+                .draw_series(std::iter::once(PathElement::new([(x, y0), (x, y1)], ALARM.stroke_width(1))))
+                .map_err(err)?;
             let y = y1 - (y1 - y0) * (0.04 + 0.07 * (nth_label % 4) as f64);
             nth_label += 1;
             let style = ("sans-serif", font.saturating_sub(2).max(8)).into_font().color(&ALARM);
@@ -202,11 +214,8 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         // One run: colour tells the series apart; several: colour is the run, style the series.
         let colour = PALETTE[if many { *ri } else { *li } % PALETTE.len()];
         if !band.is_empty() {
-            let poly: Vec<(f64, f64)> = band
-                .iter()
-                .map(|b| (b.0 as f64, b.2))
-                .chain(band.iter().rev().map(|b| (b.0 as f64, b.1)))
-                .collect();
+            let poly: Vec<(f64, f64)> =
+                band.iter().map(|b| (b.0 as f64, b.2)).chain(band.iter().rev().map(|b| (b.0 as f64, b.1))).collect();
             chart.draw_series(std::iter::once(Polygon::new(poly, colour.mix(0.18).filled()))).map_err(err)?;
         }
         let xy: Vec<(f64, f64)> = pts.iter().map(|&(s, y)| (s as f64, y)).collect();

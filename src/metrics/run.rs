@@ -52,10 +52,7 @@ pub fn step_of(line: &Map<String, Value>) -> u64 {
 
 /// (step, value) for every line that has a finite `key`.
 pub fn series(lines: &[Map<String, Value>], key: &str) -> Vec<(u64, f64)> {
-    lines
-        .iter()
-        .filter_map(|l| Some((step_of(l), l.get(key)?.as_f64().filter(|x| x.is_finite())?)))
-        .collect()
+    lines.iter().filter_map(|l| Some((step_of(l), l.get(key)?.as_f64().filter(|x| x.is_finite())?))).collect()
 }
 
 /// An alarm as shown by plots and the viewer.
@@ -190,7 +187,13 @@ pub fn alarms(metrics: &[Map<String, Value>], events: &[Map<String, Value>], ech
         }
     }
     for a in echo_trap::replay(echo, metrics.iter().map(|l| (step_of(l), l))) {
-        out.push(AlarmMark { kind: a.kind.as_str().into(), step: a.step, since: a.since, message: a.message, source: "replay" });
+        out.push(AlarmMark {
+            kind: a.kind.as_str().into(),
+            step: a.step,
+            since: a.since,
+            message: a.message,
+            source: "replay",
+        });
     }
     let mut seen = HashSet::new();
     out.retain(|a| seen.insert((a.kind.clone(), a.since)));
@@ -254,7 +257,8 @@ mod tests {
                 serde_json::json!({"step": s, "update/grad_norm": g}).as_object().unwrap().clone()
             })
             .collect();
-        let recorded = serde_json::json!({"step": 8, "kind": "alarm", "alarm": "grad_norm_spike", "since": 8, "message": "m"});
+        let recorded =
+            serde_json::json!({"step": 8, "kind": "alarm", "alarm": "grad_norm_spike", "since": 8, "message": "m"});
         let a = alarms(&metrics, &[recorded.as_object().unwrap().clone()], &EchoSettings::default());
         assert_eq!(a.len(), 1, "{a:#?}");
         assert_eq!((a[0].kind.as_str(), a[0].since, a[0].source), ("grad_norm_spike", 8, "run"));
@@ -265,7 +269,11 @@ mod tests {
     #[test]
     fn validation_events_fill_in_val_metrics() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("metrics.jsonl"), "{\"step\":1,\"a\":1}\n{\"step\":2,\"a\":2,\"val/success\":0.5}\n").unwrap();
+        std::fs::write(
+            dir.path().join("metrics.jsonl"),
+            "{\"step\":1,\"a\":1}\n{\"step\":2,\"a\":2,\"val/success\":0.5}\n",
+        )
+        .unwrap();
         std::fs::write(
             dir.path().join("events.jsonl"),
             "{\"step\":0,\"kind\":\"validation\",\"val/success\":0.1,\"message\":\"m\"}\n\

@@ -98,7 +98,8 @@ impl TbWriter {
         let dir = dir.as_ref();
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let name = format!("events.out.tfevents.{}.ragen-lab.{}.{}", now.as_secs(), std::process::id(), now.subsec_nanos());
+        let name =
+            format!("events.out.tfevents.{}.ragen-lab.{}.{}", now.as_secs(), std::process::id(), now.subsec_nanos());
         let path = dir.join(name);
         let file = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         let mut w = TbWriter { path, out: BufWriter::new(file) };

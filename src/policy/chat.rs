@@ -114,11 +114,7 @@ impl ChatTemplate {
                 bail!("the chat template does not render conversation prefixes stably, so the assistant mask of message {k} cannot be found");
             }
             let turn = &upto[before.len()..];
-            let end = END_OF_TURN
-                .iter()
-                .filter_map(|e| turn.find(e).map(|i| i + e.len()))
-                .min()
-                .unwrap_or(turn.len());
+            let end = END_OF_TURN.iter().filter_map(|e| turn.find(e).map(|i| i + e.len())).min().unwrap_or(turn.len());
             spans.push((before.len(), before.len() + end));
         }
         Ok(spans)
@@ -130,11 +126,8 @@ impl ChatTemplate {
         let text = self.render(messages, add_generation_prompt)?;
         let spans = self.assistant_spans(messages, &text)?;
         let enc = tok.encode(text.as_str(), false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
-        let assistant_mask = enc
-            .get_offsets()
-            .iter()
-            .map(|&(start, _)| spans.iter().any(|&(s, e)| start >= s && start < e))
-            .collect();
+        let assistant_mask =
+            enc.get_offsets().iter().map(|&(start, _)| spans.iter().any(|&(s, e)| start >= s && start < e)).collect();
         Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask })
     }
 }
@@ -156,8 +149,9 @@ mod tests {
 
     /// The masked tokens decode to exactly the assistant contents, each with its end-of-turn token.
     fn check_mask(template: &str, specials: &[&str], bos: &str, eot: &str) {
-        let tok = train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer> assistant user system"], 400, specials)
-            .unwrap();
+        let tok =
+            train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer> assistant user system"], 400, specials)
+                .unwrap();
         let t = ChatTemplate::new(template, bos, eot).unwrap();
         let ct = t.tokens(&tok, &conversation(), false).unwrap();
         assert_eq!(ct.ids.len(), ct.assistant_mask.len());

@@ -81,14 +81,10 @@ impl Config {
     pub fn from_hf_json(v: &Value, path: &Path) -> Result<Self> {
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
         let Some(family) = Family::from_model_type(model_type) else {
-            bail!(
-                "{}: model_type {model_type:?} is not supported (supported: llama, mistral, qwen2)",
-                path.display()
-            );
+            bail!("{}: model_type {model_type:?} is not supported (supported: llama, mistral, qwen2)", path.display());
         };
-        let need = |key: &str| {
-            get_usize(v, key).with_context(|| format!("{}: missing number field {key:?}", path.display()))
-        };
+        let need =
+            |key: &str| get_usize(v, key).with_context(|| format!("{}: missing number field {key:?}", path.display()));
         let hidden_size = need("hidden_size")?;
         let num_attention_heads = need("num_attention_heads")?;
         let rope_scaling = v.get("rope_scaling").filter(|x| !x.is_null());

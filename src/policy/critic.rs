@@ -53,8 +53,7 @@ impl Critic {
         let h = hidden.dim(2)?;
         let v = hidden.reshape((b * t, h))?.matmul(&self.score_weight.as_tensor().t()?)?;
         let v = v.broadcast_add(self.score_bias.as_tensor())?.reshape((b, t))?;
-        let valid: Vec<f32> =
-            (0..b).flat_map(|r| (0..t).map(move |i| (i < batch.lengths[r]) as u8 as f32)).collect();
+        let valid: Vec<f32> = (0..b).flat_map(|r| (0..t).map(move |i| (i < batch.lengths[r]) as u8 as f32)).collect();
         Ok((v * Tensor::from_vec(valid, (b, t), dev)?)?)
     }
 
@@ -77,7 +76,8 @@ impl Critic {
         cfg["architectures"] = json!([arch]);
         cfg["num_labels"] = json!(1);
         let path = dir.join("config.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&cfg)?).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, serde_json::to_string_pretty(&cfg)?)
+            .with_context(|| format!("writing {}", path.display()))?;
         let tensors: HashMap<String, Tensor> =
             self.named_vars().into_iter().map(|(n, v)| (n, v.as_tensor().clone())).collect();
         let path = dir.join("model.safetensors");
@@ -91,7 +91,8 @@ impl Critic {
         let mut cfg = Config::from_hf_json(&serde_json::from_str(&text)?, &path)?;
         cfg.tie_word_embeddings = true;
         let path = dir.join("model.safetensors");
-        let mut t = candle_core::safetensors::load(&path, device).with_context(|| format!("reading {}", path.display()))?;
+        let mut t =
+            candle_core::safetensors::load(&path, device).with_context(|| format!("reading {}", path.display()))?;
         let mut take = |name: &str| t.remove(name).ok_or_else(|| anyhow!("{}: missing tensor {name}", path.display()));
         let backbone = Decoder::from_tensors(cfg, |name, _| take(name))?;
         Ok(Self {

@@ -89,7 +89,8 @@ pub fn save_hf_dir(dir: &Path, model: &Decoder, tokenizer: &Tokenizer, tokenizer
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let write_json = |name: &str, v: &Value| -> Result<()> {
         let path = dir.join(name);
-        std::fs::write(&path, serde_json::to_string_pretty(v)? + "\n").with_context(|| format!("writing {}", path.display()))
+        std::fs::write(&path, serde_json::to_string_pretty(v)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))
     };
     write_json("config.json", &model.cfg.to_hf_json())?;
     let mut gen = json!({ "do_sample": true });
@@ -204,7 +205,8 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<Loaded> {
         a => bail!("{}: architecture {a:?} is not supported (supported: llama, qwen2)", path.display()),
     };
     let need = |key: &str| {
-        md_usize(md, &format!("{arch}.{key}")).with_context(|| format!("{}: missing metadata {arch}.{key}", path.display()))
+        md_usize(md, &format!("{arch}.{key}"))
+            .with_context(|| format!("{}: missing metadata {arch}.{key}", path.display()))
     };
     let tokens = md_strings(md, "tokenizer.ggml.tokens")
         .with_context(|| format!("{}: missing metadata tokenizer.ggml.tokens", path.display()))?;
@@ -238,7 +240,8 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<Loaded> {
             None => Ok(w),
         }
     })?;
-    let tokenizer = gguf_tokenizer(md, &tokens).with_context(|| format!("{}: building the tokenizer", path.display()))?;
+    let tokenizer =
+        gguf_tokenizer(md, &tokens).with_context(|| format!("{}: building the tokenizer", path.display()))?;
     let token = |key: &str| md_usize(md, key).and_then(|id| tokens.get(id)).cloned();
     let mut tokenizer_config = json!({ "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": false });
     for (field, key) in [

@@ -48,8 +48,9 @@ impl TokenBatch {
 
     /// `[B, T]` f32: 1 where a position is scored (0 < t < length), else 0.
     pub fn score_mask(&self, dev: &Device) -> Result<Tensor> {
-        let m: Vec<f32> =
-            (0..self.rows).flat_map(|r| (0..self.len).map(move |t| (t > 0 && t < self.lengths[r]) as u8 as f32)).collect();
+        let m: Vec<f32> = (0..self.rows)
+            .flat_map(|r| (0..self.len).map(move |t| (t > 0 && t < self.lengths[r]) as u8 as f32))
+            .collect();
         Ok(Tensor::from_vec(m, (self.rows, self.len), dev)?)
     }
 
@@ -149,14 +150,19 @@ impl Policy {
     /// graph, the loss is differentiated w.r.t. them, then each chunk is recomputed and
     /// back-propagated to the final hidden states, which are back-propagated once through the
     /// model. Costs one extra lm_head forward; the gradients equal `loss(token_logprobs(b)).backward()`.
-    pub fn loss_and_grads(&self, batch: &TokenBatch, loss: impl FnOnce(&Scored) -> Result<Tensor>) -> Result<(f32, GradStore)> {
+    pub fn loss_and_grads(
+        &self,
+        batch: &TokenBatch,
+        loss: impl FnOnce(&Scored) -> Result<Tensor>,
+    ) -> Result<(f32, GradStore)> {
         let dev = self.device();
         let mask = batch.score_mask(dev)?;
         let ids = batch.ids_tensor(dev)?;
         let hidden = self.model.hidden(&ids, &vec![0; batch.rows], None, Mode::Train)?; // [B, T, H]
         let h_leaf = Var::from_tensor(&hidden.detach())?;
         // 1. Scores without a graph, as leaves the loss can be differentiated against.
-        let (mut lps, mut ents) = (vec![mask.narrow(1, 0, 1)?.zeros_like()?], vec![mask.narrow(1, 0, 1)?.zeros_like()?]);
+        let (mut lps, mut ents) =
+            (vec![mask.narrow(1, 0, 1)?.zeros_like()?], vec![mask.narrow(1, 0, 1)?.zeros_like()?]);
         for (s, c) in self.chunks(batch) {
             let (lp, ent) = self.chunk_scores(&h_leaf.as_tensor().detach(), &ids, s, c)?;
             lps.push(lp.detach());
@@ -177,7 +183,8 @@ impl Policy {
         let mut grad_head: Option<Tensor> = None;
         for (s, c) in self.chunks(batch) {
             let (lp, ent) = self.chunk_scores(h_leaf.as_tensor(), &ids, s, c)?;
-            let surrogate = ((lp * g_lp.narrow(1, s + 1, c)?)?.sum_all()? + (ent * g_ent.narrow(1, s + 1, c)?)?.sum_all()?)?;
+            let surrogate =
+                ((lp * g_lp.narrow(1, s + 1, c)?)?.sum_all()? + (ent * g_ent.narrow(1, s + 1, c)?)?.sum_all()?)?;
             let gs = surrogate.backward()?;
             if let Some(gh) = gs.get(h_leaf.as_tensor()) {
                 grad_h = (grad_h + gh)?;

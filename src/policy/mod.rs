@@ -95,7 +95,11 @@ impl Policy {
 
     /// A tiny preset, written as an HF folder to a scratch directory and read back by the HF loader.
     pub fn preset(name: &str, device: &Device) -> Result<Self> {
-        let dir = std::env::temp_dir().join(format!("ragen-lab-{name}-{}-{:?}", std::process::id(), std::thread::current().id()));
+        let dir = std::env::temp_dir().join(format!(
+            "ragen-lab-{name}-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         let loaded = preset::write_hf(name, &dir).and_then(|_| load::load_hf_dir(&dir, device));
         let _ = std::fs::remove_dir_all(&dir);
         Self::from_loaded(loaded?, format!("preset {name}"))
@@ -106,13 +110,20 @@ impl Policy {
         let bos = special_token(&tc, "bos_token").unwrap_or_default();
         let eos = special_token(&tc, "eos_token").unwrap_or_default();
         let chat_template = match template_source(&tc) {
-            Some(src) => Some(ChatTemplate::new(src, bos, eos.clone()).with_context(|| format!("{source}: chat_template"))?),
+            Some(src) => {
+                Some(ChatTemplate::new(src, bos, eos.clone()).with_context(|| format!("{source}: chat_template"))?)
+            }
             None => None,
         };
         let mut stop_ids = l.eos_ids;
         // End-of-turn tokens stop generation too, when the tokenizer has them as special tokens.
-        let mut specials: Vec<(u32, String)> =
-            l.tokenizer.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(i, t)| (i, t.content)).collect();
+        let mut specials: Vec<(u32, String)> = l
+            .tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(i, t)| (i, t.content))
+            .collect();
         specials.sort();
         for (id, content) in specials {
             if (chat::END_OF_TURN.contains(&content.as_str()) || content == eos) && !stop_ids.contains(&id) {

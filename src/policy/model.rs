@@ -255,7 +255,13 @@ impl Decoder {
     /// With a cache, `ids` continue the cached positions and their keys/values are appended.
     /// # Shapes
     /// ids: [B, T] u32, starts: [B] → [B, T, H]
-    pub fn hidden(&self, ids: &Tensor, starts: &[usize], mut cache: Option<&mut KvCache>, mode: Mode) -> Result<Tensor> {
+    pub fn hidden(
+        &self,
+        ids: &Tensor,
+        starts: &[usize],
+        mut cache: Option<&mut KvCache>,
+        mode: Mode,
+    ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         if starts.len() != b {
             bail!("{} row starts for a batch of {b}", starts.len());
@@ -289,7 +295,14 @@ impl Decoder {
     }
 
     /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
-    fn rope_tables(&self, b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<(Tensor, Tensor)> {
+    fn rope_tables(
+        &self,
+        b: usize,
+        t: usize,
+        offset: usize,
+        starts: &[usize],
+        dev: &Device,
+    ) -> Result<(Tensor, Tensor)> {
         let half = self.cfg.head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| 1.0 / (self.cfg.rope_theta as f32).powf((2 * i) as f32 / self.cfg.head_dim as f32))

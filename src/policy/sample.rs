@@ -119,7 +119,8 @@ impl Policy {
         }
         let dev = self.device();
         let mut cache = KvCache::new(&self.model.cfg, b, p + cfg.max_new_tokens, dev)?;
-        let hidden = self.model.hidden(&Tensor::from_vec(flat, (b, p), dev)?, &starts, Some(&mut cache), Mode::Sample)?;
+        let hidden =
+            self.model.hidden(&Tensor::from_vec(flat, (b, p), dev)?, &starts, Some(&mut cache), Mode::Sample)?;
         let mut last = hidden.narrow(1, p - 1, 1)?.squeeze(1)?; // [B, H]
         let mut out: Vec<Generation> = (0..b)
             .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })

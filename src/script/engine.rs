@@ -189,7 +189,15 @@ impl Host {
             sources.push(p.clone());
         }
         let hash = hex::encode(hasher.finalize());
-        Ok(Arc::new(Script { host: self.clone(), path: path.to_path_buf(), name, ast, hash, sources, source: source.to_string() }))
+        Ok(Arc::new(Script {
+            host: self.clone(),
+            path: path.to_path_buf(),
+            name,
+            ast,
+            hash,
+            sources,
+            source: source.to_string(),
+        }))
     }
 }
 
@@ -230,10 +238,14 @@ impl ConfinedResolver {
         let rel = Path::new(path);
         let roots = SCRIPT_ROOTS.map(|r| format!("{r}/")).join(", ");
         if rel.is_absolute() || path.starts_with('/') || path.contains('\\') {
-            return Err(format!("import \"{path}\": absolute paths are not allowed; name a file under {roots} relative to the project"));
+            return Err(format!(
+                "import \"{path}\": absolute paths are not allowed; name a file under {roots} relative to the project"
+            ));
         }
         if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-            return Err(format!("import \"{path}\": `..` and `.` are not allowed in import paths; name a file under {roots}"));
+            return Err(format!(
+                "import \"{path}\": `..` and `.` are not allowed in import paths; name a file under {roots}"
+            ));
         }
         let first = rel.components().next().and_then(|c| c.as_os_str().to_str()).unwrap_or("");
         if !SCRIPT_ROOTS.contains(&first) || rel.components().count() < 2 {
@@ -253,11 +265,18 @@ impl ConfinedResolver {
 }
 
 impl ModuleResolver for ConfinedResolver {
-    fn resolve(&self, engine: &Engine, _source: Option<&str>, path: &str, pos: Position) -> Result<rhai::Shared<Module>, Box<EvalAltResult>> {
+    fn resolve(
+        &self,
+        engine: &Engine,
+        _source: Option<&str>,
+        path: &str,
+        pos: Position,
+    ) -> Result<rhai::Shared<Module>, Box<EvalAltResult>> {
         let full = self.locate(path).map_err(|m| EvalAltResult::ErrorRuntime(m.into(), pos))?;
         let name = display_path(&full, &self.project);
-        let text = std::fs::read_to_string(&full)
-            .map_err(|e| EvalAltResult::ErrorRuntime(format!("import \"{path}\": cannot read {name}: {e}").into(), pos))?;
+        let text = std::fs::read_to_string(&full).map_err(|e| {
+            EvalAltResult::ErrorRuntime(format!("import \"{path}\": cannot read {name}: {e}").into(), pos)
+        })?;
         IMPORTS.with(|i| i.borrow_mut().push((full.clone(), text.clone())));
         let in_module = |err: Box<EvalAltResult>| Box::new(EvalAltResult::ErrorInModule(name.clone(), err, pos));
         let mut ast = engine.compile(&text).map_err(|e| in_module(Box::new(EvalAltResult::ErrorParsing(*e.0, e.1))))?;

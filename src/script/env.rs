@@ -65,7 +65,9 @@ impl EnvInfo {
     fn from_value(script: &str, v: Value) -> Result<Self, ScriptError> {
         let err = |m: String| ScriptError::new(script, format!("describe must return {m}"));
         let Value::Object(mut m) = v else {
-            return Err(err(format!("a map like #{{name: \"grid\", instruction: \"…\", actions: [\"Up\", …]}}; got {v}")));
+            return Err(err(format!(
+                "a map like #{{name: \"grid\", instruction: \"…\", actions: [\"Up\", …]}}; got {v}"
+            )));
         };
         let mut take_str = |key: &str, required: bool| -> Result<String, ScriptError> {
             match m.remove(key) {
@@ -92,14 +94,25 @@ impl EnvInfo {
         let mut take_count = |key: &str| -> Result<Option<usize>, ScriptError> {
             match m.remove(key) {
                 None => Ok(None),
-                Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => Ok(Some(n.as_u64().unwrap_or(1) as usize)),
+                Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => {
+                    Ok(Some(n.as_u64().unwrap_or(1) as usize))
+                }
                 Some(other) => Err(err(format!("`{key}` as a positive integer; got {other}"))),
             }
         };
         let max_turns = take_count("max_turns")?.unwrap_or(5);
         let per_turn = take_count("max_actions_per_turn")?.unwrap_or(if actions.is_empty() { 1 } else { 5 });
         let max_actions = take_count("max_actions")?.unwrap_or(max_turns * per_turn);
-        Ok(Self { name, actions, max_turns, max_actions, max_actions_per_turn: per_turn, instruction, legend, extra: m })
+        Ok(Self {
+            name,
+            actions,
+            max_turns,
+            max_actions,
+            max_actions_per_turn: per_turn,
+            instruction,
+            legend,
+            extra: m,
+        })
     }
 }
 
@@ -137,7 +150,8 @@ impl StepOutcome {
                 Some(x) => x.as_bool().map(Some).map_err(|_| err(format!("`{k}` is {}", type_word(x)))),
             }
         };
-        if let Some(k) = map.keys().find(|k| !["reward", "done", "success", "valid", "effective"].contains(&k.as_str())) {
+        if let Some(k) = map.keys().find(|k| !["reward", "done", "success", "valid", "effective"].contains(&k.as_str()))
+        {
             return Err(err(format!("unknown key `{k}`")));
         }
         let reward = num("reward")?.ok_or_else(|| err("`reward` is missing".into()))?;
@@ -146,7 +160,13 @@ impl StepOutcome {
         }
         let done = flag("done")?.ok_or_else(|| err("`done` is missing".into()))?;
         let valid = flag("valid")?.unwrap_or(true);
-        Ok(Self { reward, done, success: flag("success")?.unwrap_or(false), valid, effective: flag("effective")?.unwrap_or(valid) })
+        Ok(Self {
+            reward,
+            done,
+            success: flag("success")?.unwrap_or(false),
+            valid,
+            effective: flag("effective")?.unwrap_or(valid),
+        })
     }
 }
 
@@ -156,8 +176,12 @@ pub struct EnvScript(Arc<Script>);
 
 impl EnvScript {
     /// The functions an env must define, with their parameters.
-    pub const REQUIRED: [(&'static str, &'static [&'static str]); 4] =
-        [("describe", &["params"]), ("reset", &["seed", "params"]), ("render", &["state"]), ("step", &["state", "action"])];
+    pub const REQUIRED: [(&'static str, &'static [&'static str]); 4] = [
+        ("describe", &["params"]),
+        ("reset", &["seed", "params"]),
+        ("render", &["state"]),
+        ("step", &["state", "action"]),
+    ];
 
     pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
         Self::from_script(host.compile(path)?)
@@ -190,7 +214,10 @@ impl EnvScript {
         let v = self.0.call("params", (), None)?;
         match to_json(&v) {
             Ok(Value::Object(m)) => Ok(m),
-            _ => Err(ScriptError::new(self.name(), format!("params must return a map of defaults like #{{size: 6}}; got {}", type_word(&v)))),
+            _ => Err(ScriptError::new(
+                self.name(),
+                format!("params must return a map of defaults like #{{size: 6}}; got {}", type_word(&v)),
+            )),
         }
     }
 
@@ -206,7 +233,8 @@ impl EnvScript {
 
     pub fn info(&self, params: &Map<String, Value>) -> Result<EnvInfo, ScriptError> {
         let v = self.0.call("describe", (to_dynamic(params, self.name())?,), None)?;
-        let json = to_json(&v).map_err(|e| ScriptError::new(self.name(), format!("describe returned something unreadable: {e}")))?;
+        let json = to_json(&v)
+            .map_err(|e| ScriptError::new(self.name(), format!("describe returned something unreadable: {e}")))?;
         EnvInfo::from_value(self.name(), json)
     }
 
@@ -217,7 +245,10 @@ impl EnvScript {
         let p = to_dynamic(params, self.name())?;
         let state = self.0.call("reset", (seed as rhai::INT, p), Some(&mut start))?;
         if !state.is_map() {
-            return Err(ScriptError::new(self.name(), format!("reset must return the state as a map like #{{player: 0}}; got {}", type_word(&state))));
+            return Err(ScriptError::new(
+                self.name(),
+                format!("reset must return the state as a map like #{{player: 0}}; got {}", type_word(&state)),
+            ));
         }
         Ok(Episode {
             env: self.clone(),
@@ -255,7 +286,8 @@ impl Episode {
     pub fn render(&self) -> Result<String, ScriptError> {
         let v = self.env.0.call("render", (self.state.clone(),), None)?;
         let what = type_word(&v);
-        v.into_string().map_err(|_| ScriptError::new(self.env.name(), format!("render must return a string; got {what}")))
+        v.into_string()
+            .map_err(|_| ScriptError::new(self.env.name(), format!("render must return a string; got {what}")))
     }
 
     pub fn step(&mut self, action: &str) -> Result<StepOutcome, ScriptError> {
@@ -265,7 +297,10 @@ impl Episode {
         let v = self.env.0.call("step", (self.state.clone(), action.to_string()), Some(&mut self.rng))?;
         let out = StepOutcome::from_dynamic(self.env.name(), &v)?;
         if !self.state.is_map() {
-            return Err(ScriptError::new(self.env.name(), format!("step replaced the state with {}; mutate the map's fields instead", type_word(&self.state))));
+            return Err(ScriptError::new(
+                self.env.name(),
+                format!("step replaced the state with {}; mutate the map's fields instead", type_word(&self.state)),
+            ));
         }
         self.steps += 1;
         self.done = out.done;
@@ -282,7 +317,10 @@ impl Episode {
             Ok(Value::Array(a)) if a.iter().all(Value::is_string) => {
                 Ok(a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
             }
-            _ => Err(ScriptError::new(self.env.name(), format!("valid_actions must return an array of strings; got {}", type_word(&v)))),
+            _ => Err(ScriptError::new(
+                self.env.name(),
+                format!("valid_actions must return an array of strings; got {}", type_word(&v)),
+            )),
         }
     }
 

@@ -57,7 +57,10 @@ impl Experiment {
             };
             let full = host.project().join(&p);
             if !full.is_file() {
-                return Err(ScriptError::new(&name, format!("`{key}`: no such script {p} (paths are relative to {})", host.project().display())));
+                return Err(ScriptError::new(
+                    &name,
+                    format!("`{key}`: no such script {p} (paths are relative to {})", host.project().display()),
+                ));
             }
             Ok(full)
         };
@@ -89,7 +92,16 @@ impl Experiment {
         if let Some(k) = m.keys().next() {
             return Err(err(format!("unknown key `{k}`")));
         }
-        Ok(Self { path: script.path.clone(), version: script.version().to_string(), env, prompt, rewards, params, val_params, settings })
+        Ok(Self {
+            path: script.path.clone(),
+            version: script.version().to_string(),
+            env,
+            prompt,
+            rewards,
+            params,
+            val_params,
+            settings,
+        })
     }
 
     /// Compiles the scripts it names and checks `params`/`val_params` against the env's parameters.

@@ -56,12 +56,17 @@ fn shape(key: &str, raw: &str, default: &Value) -> Result<Value, String> {
 }
 
 /// Applies overrides to the defaults. `source` names the script in messages.
-pub fn apply(source: &str, defaults: &Map<String, Value>, overrides: &[(String, String)]) -> Result<Map<String, Value>, String> {
+pub fn apply(
+    source: &str,
+    defaults: &Map<String, Value>,
+    overrides: &[(String, String)],
+) -> Result<Map<String, Value>, String> {
     let mut out = defaults.clone();
     for (key, raw) in overrides {
         let Some(default) = defaults.get(key) else {
             let known: Vec<&str> = defaults.keys().map(String::as_str).collect();
-            let known = if known.is_empty() { "none (the script has no fn params())".to_string() } else { known.join(", ") };
+            let known =
+                if known.is_empty() { "none (the script has no fn params())".to_string() } else { known.join(", ") };
             return Err(format!("--param {key}: {source} has no parameter `{key}`; known parameters: {known}"));
         };
         out.insert(key.clone(), shape(key, raw, default)?);
@@ -71,12 +76,19 @@ pub fn apply(source: &str, defaults: &Map<String, Value>, overrides: &[(String, 
 
 /// Merges a map of already-typed values (e.g. an experiment's `params`) over the defaults, with the
 /// same unknown-key check.
-pub fn merge(source: &str, defaults: &Map<String, Value>, given: &Map<String, Value>) -> Result<Map<String, Value>, String> {
+pub fn merge(
+    source: &str,
+    defaults: &Map<String, Value>,
+    given: &Map<String, Value>,
+) -> Result<Map<String, Value>, String> {
     let mut out = defaults.clone();
     for (key, v) in given {
         if !defaults.contains_key(key) {
             let known: Vec<&str> = defaults.keys().map(String::as_str).collect();
-            return Err(format!("parameter `{key}`: {source} has no such parameter; known parameters: {}", known.join(", ")));
+            return Err(format!(
+                "parameter `{key}`: {source} has no such parameter; known parameters: {}",
+                known.join(", ")
+            ));
         }
         out.insert(key.clone(), v.clone());
     }
@@ -102,7 +114,10 @@ mod tests {
             .map(|a| parse_assignment(a).unwrap())
             .collect();
         let p = apply("envs/x.rhai", &defaults(), &ov).unwrap();
-        assert_eq!(Value::Object(p), json!({"size": 8, "slip": 1.0, "names": ["Teacher", "Engineer"], "slippery": false, "label": "12"}));
+        assert_eq!(
+            Value::Object(p),
+            json!({"size": 8, "slip": 1.0, "names": ["Teacher", "Engineer"], "slippery": false, "label": "12"})
+        );
     }
 
     #[test]

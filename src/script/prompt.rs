@@ -31,7 +31,8 @@ pub struct TurnContext {
 pub struct PromptScript(Arc<Script>);
 
 impl PromptScript {
-    pub const REQUIRED: [(&'static str, &'static [&'static str]); 2] = [("system", &["info"]), ("user", &["info", "turn"])];
+    pub const REQUIRED: [(&'static str, &'static [&'static str]); 2] =
+        [("system", &["info"]), ("user", &["info", "turn"])];
 
     pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
         Self::from_script(host.compile(path)?)

@@ -36,7 +36,10 @@ impl RewardScript {
         let v = self.0.call("shape", (to_dynamic(turn, &self.0.name)?, reward), None)?;
         let r = if v.is_int() { v.as_int().unwrap_or(0) as f64 } else { v.as_float().unwrap_or(f64::NAN) };
         if !(v.is_int() || v.is_float()) || !r.is_finite() {
-            return Err(ScriptError::new(&self.0.name, format!("shape must return the reward as a number; got {}", type_word(&v))));
+            return Err(ScriptError::new(
+                &self.0.name,
+                format!("shape must return the reward as a number; got {}", type_word(&v)),
+            ));
         }
         Ok(r)
     }

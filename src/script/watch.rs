@@ -67,13 +67,22 @@ pub struct Watcher {
     stop: Arc<AtomicBool>,
     tick: Sender<()>,
     worker: Option<JoinHandle<()>>,
-    _events: Option<notify_debouncer_full::Debouncer<notify_debouncer_full::notify::RecommendedWatcher, notify_debouncer_full::RecommendedCache>>,
+    _events: Option<
+        notify_debouncer_full::Debouncer<
+            notify_debouncer_full::notify::RecommendedWatcher,
+            notify_debouncer_full::RecommendedCache,
+        >,
+    >,
 }
 
 impl Watcher {
     /// Watches `scripts` (path, role, env parameters for the smoke test). Their current content
     /// is the baseline: only later changes are reported.
-    pub fn new(host: Arc<Host>, scripts: Vec<(PathBuf, Role, Map<String, Value>)>, mode: WatchMode) -> anyhow::Result<Self> {
+    pub fn new(
+        host: Arc<Host>,
+        scripts: Vec<(PathBuf, Role, Map<String, Value>)>,
+        mode: WatchMode,
+    ) -> anyhow::Result<Self> {
         let mut entries = Vec::new();
         for (path, role, params) in scripts {
             let path = host.resolve_path(&path);
@@ -93,12 +102,20 @@ impl Watcher {
         let events = match mode {
             WatchMode::Events => {
                 let t = tick.clone();
-                let mut d = notify_debouncer_full::new_debouncer(Duration::from_millis(200), None, move |res: notify_debouncer_full::DebounceEventResult| {
-                    let touched = res.map(|evs| evs.iter().any(|e| e.paths.iter().any(|p| p.extension().is_some_and(|x| x == "rhai")))).unwrap_or(true);
-                    if touched {
-                        let _ = t.send(());
-                    }
-                })?;
+                let mut d = notify_debouncer_full::new_debouncer(
+                    Duration::from_millis(200),
+                    None,
+                    move |res: notify_debouncer_full::DebounceEventResult| {
+                        let touched = res
+                            .map(|evs| {
+                                evs.iter().any(|e| e.paths.iter().any(|p| p.extension().is_some_and(|x| x == "rhai")))
+                            })
+                            .unwrap_or(true);
+                        if touched {
+                            let _ = t.send(());
+                        }
+                    },
+                )?;
                 for dir in &dirs {
                     d.watch(dir, RecursiveMode::NonRecursive)
                         .map_err(|e| anyhow::anyhow!("cannot watch {}: {e} (try --poll)", dir.display()))?;

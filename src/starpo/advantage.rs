@@ -93,11 +93,8 @@ pub fn bi_level_gae(
 /// # Shapes
 /// `xs`, `masks`: [B][T] (ragged) → in place.
 pub fn whiten(xs: &mut [Vec<f32>], masks: &[Vec<bool>]) {
-    let vals: Vec<f64> = xs
-        .iter()
-        .zip(masks)
-        .flat_map(|(x, m)| x.iter().zip(m).filter(|p| *p.1).map(|p| *p.0 as f64))
-        .collect();
+    let vals: Vec<f64> =
+        xs.iter().zip(masks).flat_map(|(x, m)| x.iter().zip(m).filter(|p| *p.1).map(|p| *p.0 as f64)).collect();
     let n = vals.len() as f64;
     if n < 2.0 {
         return;

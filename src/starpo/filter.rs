@@ -43,10 +43,7 @@ pub fn top_p_by_variance(stds: &[f64], p: f64) -> Vec<usize> {
 
 /// In-group std of each group's scores (sample std, as torch).
 pub fn group_stds(scores: &[f64], groups: &[Vec<usize>]) -> Vec<f64> {
-    groups
-        .iter()
-        .map(|m| mean_std(&m.iter().map(|&i| scores[i]).collect::<Vec<_>>()).1)
-        .collect()
+    groups.iter().map(|m| mean_std(&m.iter().map(|&i| scores[i]).collect::<Vec<_>>()).1).collect()
 }
 
 #[cfg(test)]

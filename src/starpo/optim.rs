@@ -131,6 +131,9 @@ mod tests {
         let mut opt2 = AdamW::new(vec![("w".into(), q)], 0.01, &Optim::default()).unwrap();
         opt2.load(&dir.path().join("o.safetensors")).unwrap();
         assert_eq!(opt2.t, 1);
-        assert_eq!(opt2.params[0].2.as_tensor().to_vec1::<f32>().unwrap(), opt.params[0].2.as_tensor().to_vec1::<f32>().unwrap());
+        assert_eq!(
+            opt2.params[0].2.as_tensor().to_vec1::<f32>().unwrap(),
+            opt.params[0].2.as_tensor().to_vec1::<f32>().unwrap()
+        );
     }
 }

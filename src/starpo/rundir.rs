@@ -34,7 +34,11 @@ pub fn write_atomic(path: &Path, text: &[u8]) -> Result<()> {
 }
 
 fn append_line(path: &Path, v: &Value) -> Result<()> {
-    let mut f = OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
     writeln!(f, "{v}").with_context(|| format!("writing {}", path.display()))
 }
 
@@ -42,7 +46,11 @@ impl RunDir {
     /// A fresh run directory; refuses one that already holds a run.
     pub fn create(path: &Path) -> Result<Self> {
         if path.join("settings.json").exists() {
-            bail!("{} already holds a run: continue it with --resume {}, or pick another --name", path.display(), path.display());
+            bail!(
+                "{} already holds a run: continue it with --resume {}, or pick another --name",
+                path.display(),
+                path.display()
+            );
         }
         for sub in ["scripts", "rollouts", "checkpoints"] {
             fs::create_dir_all(path.join(sub)).with_context(|| format!("creating {}", path.join(sub).display()))?;
@@ -58,7 +66,9 @@ impl RunDir {
             let text = fs::read_to_string(&metrics).with_context(|| format!("reading {}", metrics.display()))?;
             let kept: String = text
                 .lines()
-                .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s <= step))
+                .filter(|l| {
+                    serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s <= step)
+                })
                 .map(|l| format!("{l}\n"))
                 .collect();
             write_atomic(&metrics, kept.as_bytes())?;
@@ -79,7 +89,8 @@ impl RunDir {
 
     pub fn read_settings(path: &Path) -> Result<Value> {
         let p = path.join("settings.json");
-        let text = fs::read_to_string(&p).with_context(|| format!("reading {} (is {} a run directory?)", p.display(), path.display()))?;
+        let text = fs::read_to_string(&p)
+            .with_context(|| format!("reading {} (is {} a run directory?)", p.display(), path.display()))?;
         serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
     }
 
@@ -95,7 +106,10 @@ impl RunDir {
             let source = fs::read(&script.path).with_context(|| format!("reading {}", script.path.display()))?;
             write_atomic(&file, &source)?;
         }
-        append_line(&self.path.join("scripts/index.jsonl"), &json!({"step": step, "role": role, "path": script.name, "hash": hash}))?;
+        append_line(
+            &self.path.join("scripts/index.jsonl"),
+            &json!({"step": step, "role": role, "path": script.name, "hash": hash}),
+        )?;
         self.seen.insert(key);
         Ok(())
     }
@@ -156,8 +170,13 @@ impl RunDir {
     /// The newest complete checkpoint (what `latest` names).
     pub fn latest_checkpoint(path: &Path) -> Result<PathBuf> {
         let latest = path.join("checkpoints/latest");
-        let name = fs::read_to_string(&latest)
-            .with_context(|| format!("{} has no checkpoint yet ({} is missing): start a new run instead", path.display(), latest.display()))?;
+        let name = fs::read_to_string(&latest).with_context(|| {
+            format!(
+                "{} has no checkpoint yet ({} is missing): start a new run instead",
+                path.display(),
+                latest.display()
+            )
+        })?;
         let dir = path.join("checkpoints").join(name.trim());
         if !dir.join("state.json").exists() {
             bail!("{}: checkpoint {} is incomplete (no state.json)", path.display(), dir.display());

@@ -363,15 +363,27 @@ impl Settings {
             (r.top_p > 0.0 && r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
             (s.filter_ratio > 0.0 && s.filter_ratio <= 1.0, "starpo.filter_ratio must be in (0, 1]"),
             (s.filter_top_p > 0.0 && s.filter_top_p <= 1.0, "starpo.filter_top_p must be in (0, 1]"),
-            ((0.0..=1.0).contains(&s.gamma) && (0.0..=1.0).contains(&s.lam), "starpo.gamma and starpo.lam must be in [0, 1]"),
-            (s.clip_low >= 0.0 && s.clip_low < 1.0 && s.clip_high >= 0.0, "starpo.clip_low must be in [0, 1) and starpo.clip_high ≥ 0"),
+            (
+                (0.0..=1.0).contains(&s.gamma) && (0.0..=1.0).contains(&s.lam),
+                "starpo.gamma and starpo.lam must be in [0, 1]",
+            ),
+            (
+                s.clip_low >= 0.0 && s.clip_low < 1.0 && s.clip_high >= 0.0,
+                "starpo.clip_low must be in [0, 1) and starpo.clip_high ≥ 0",
+            ),
             (s.dual_clip == 0.0 || s.dual_clip > 1.0, "starpo.dual_clip must be 0 (off) or > 1"),
             (s.kl_coef >= 0.0 && s.entropy_coef >= 0.0, "starpo.kl_coef and starpo.entropy_coef must be ≥ 0"),
             (o.lr > 0.0 && o.critic_lr > 0.0, "optim.lr and optim.critic_lr must be > 0"),
-            (o.mini_batch_size >= 1 && o.micro_batch_size >= 1, "optim.mini_batch_size and optim.micro_batch_size must be at least 1"),
+            (
+                o.mini_batch_size >= 1 && o.micro_batch_size >= 1,
+                "optim.mini_batch_size and optim.micro_batch_size must be at least 1",
+            ),
             (o.epochs >= 1 && o.rollout_reuse >= 1, "optim.epochs and optim.rollout_reuse must be at least 1"),
             (t.val_groups >= 1 && t.val_samples >= 1, "train.val_groups and train.val_samples must be at least 1"),
-            (t.val_temperature > 0.0 && t.keep_checkpoints >= 1, "train.val_temperature must be > 0 and train.keep_checkpoints ≥ 1"),
+            (
+                t.val_temperature > 0.0 && t.keep_checkpoints >= 1,
+                "train.val_temperature must be > 0 and train.keep_checkpoints ≥ 1",
+            ),
         ];
         for (ok, msg) in checks {
             if !ok {
@@ -469,7 +481,8 @@ mod tests {
     #[test]
     fn describe_lists_every_field_with_doc() {
         let d = Settings::describe();
-        let n = Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len() + EchoSettings::DOCS.len();
+        let n =
+            Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len() + EchoSettings::DOCS.len();
         assert_eq!(d.len(), n);
         let clip = d.iter().find(|(k, _, _)| k == "starpo.clip_high").unwrap();
         assert_eq!(clip.1, "0.28");

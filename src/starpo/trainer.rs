@@ -110,8 +110,9 @@ pub fn train(opts: Options) -> Result<Summary> {
     let exp = Experiment::load(&host, &opts.experiment)?;
     let (mut s, start_step, resume_from) = if opts.resume {
         let saved = RunDir::read_settings(&opts.run_dir)?;
-        let mut s: Settings = serde_json::from_value(saved["settings"].clone())
-            .with_context(|| format!("{}: settings.json does not match this version's settings", opts.run_dir.display()))?;
+        let mut s: Settings = serde_json::from_value(saved["settings"].clone()).with_context(|| {
+            format!("{}: settings.json does not match this version's settings", opts.run_dir.display())
+        })?;
         for flag in &opts.sets {
             s.apply_flag(flag)?;
         }
@@ -185,19 +186,20 @@ pub fn train(opts: Options) -> Result<Summary> {
         checkpoint: None,
         alarms: Vec::new(),
     };
-    let save = |run: &RunDir, step: u64, policy: &Policy, critic: &Option<Critic>, a: &AdamW, c: &Option<AdamW>, rng: &Rng| {
-        run.save_checkpoint(step, s.train.keep_checkpoints, |dir| {
-            policy.save(&dir.join("policy"))?;
-            a.save(&dir.join("optimizer.safetensors"))?;
-            if let (Some(cr), Some(co)) = (critic, c) {
-                cr.save(&dir.join("critic"))?;
-                co.save(&dir.join("critic_optimizer.safetensors"))?;
-            }
-            let st = State { step, rng: rng.state(), time: now() };
-            std::fs::write(dir.join("state.json"), serde_json::to_string_pretty(&st)?)?;
-            Ok(())
-        })
-    };
+    let save =
+        |run: &RunDir, step: u64, policy: &Policy, critic: &Option<Critic>, a: &AdamW, c: &Option<AdamW>, rng: &Rng| {
+            run.save_checkpoint(step, s.train.keep_checkpoints, |dir| {
+                policy.save(&dir.join("policy"))?;
+                a.save(&dir.join("optimizer.safetensors"))?;
+                if let (Some(cr), Some(co)) = (critic, c) {
+                    cr.save(&dir.join("critic"))?;
+                    co.save(&dir.join("critic_optimizer.safetensors"))?;
+                }
+                let st = State { step, rng: rng.state(), time: now() };
+                std::fs::write(dir.join("state.json"), serde_json::to_string_pretty(&st)?)?;
+                Ok(())
+            })
+        };
     if start_step == 0 && s.train.val_every > 0 {
         validate(&policy, &scripts, &exp, &s, &run, 0, &mut summary)?;
     }
@@ -239,7 +241,8 @@ pub fn train(opts: Options) -> Result<Summary> {
             params,
         };
         let t0 = Instant::now();
-        let trajs = rollout(&policy, &scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: rollout"))?;
+        let trajs =
+            rollout(&policy, &scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: rollout"))?;
         let rollout_s = t0.elapsed().as_secs_f64();
 
         // 3. Score and normalise per group.
@@ -258,7 +261,8 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 5. Update on the kept trajectories.
         let t1 = Instant::now();
-        let items: Vec<Item> = kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect();
+        let items: Vec<Item> =
+            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect();
         let stats = update(
             Models {
                 policy: &policy,
@@ -276,7 +280,8 @@ pub fn train(opts: Options) -> Result<Summary> {
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
         update_metrics(&mut line, &stats, s.optim.lr);
-        let rollout_tokens: usize = trajs.iter().map(|t| t.packed.ids.len() + t.turns.iter().map(|u| u.response_tokens).sum::<usize>()).sum();
+        let rollout_tokens: usize =
+            trajs.iter().map(|t| t.packed.ids.len() + t.turns.iter().map(|u| u.response_tokens).sum::<usize>()).sum();
         put(&mut line, "time/rollout_s", rollout_s);
         put(&mut line, "time/update_s", update_s);
         put(&mut line, "time/step_s", t_step.elapsed().as_secs_f64());
@@ -331,7 +336,10 @@ pub fn train(opts: Options) -> Result<Summary> {
             summary.checkpoint = Some(dir);
         }
     }
-    if summary.interrupted && summary.last_step > start_step && summary.checkpoint.as_ref().is_none_or(|c| !c.ends_with(format!("step-{:06}", summary.last_step))) {
+    if summary.interrupted
+        && summary.last_step > start_step
+        && summary.checkpoint.as_ref().is_none_or(|c| !c.ends_with(format!("step-{:06}", summary.last_step)))
+    {
         let dir = save(&run, summary.last_step, &policy, &critic, &actor_opt, &critic_opt, &rng)?;
         run.event(summary.last_step, "checkpoint", &format!("saved {} on interrupt", dir.display()), Map::new())?;
         summary.checkpoint = Some(dir);
@@ -367,12 +375,14 @@ fn validate(
             params: scripts.env.params_from(&params)?,
         };
         let mut rng = Rng::derive(s.train.seed, 1_000_003);
-        let trajs = rollout(policy, scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: validation"))?;
+        let trajs = rollout(policy, scripts, &plan, &s.rollout, &mut rng)
+            .with_context(|| format!("step {step}: validation"))?;
         let n = trajs.len().max(1) as f64;
         let success = trajs.iter().filter(|t| t.success).count() as f64 / n;
         let reward = trajs.iter().map(|t| t.score).sum::<f64>() / n;
         let members = groups(&trajs);
-        let pass = members.iter().filter(|m| m.iter().any(|&i| trajs[i].success)).count() as f64 / members.len().max(1) as f64;
+        let pass =
+            members.iter().filter(|m| m.iter().any(|&i| trajs[i].success)).count() as f64 / members.len().max(1) as f64;
         put(&mut out, &format!("{key}/success"), success);
         put(&mut out, &format!("{key}/reward_mean"), reward);
         put(&mut out, &format!("{key}/pass_at_k"), pass);
@@ -398,7 +408,8 @@ fn record_versions(run: &mut RunDir, step: u64, s: &ExperimentScripts) -> Result
 
 /// Watch the env, prompt and reward scripts the experiment names.
 fn watch(host: &Arc<Host>, exp: &Experiment) -> Result<Watcher> {
-    let mut files = vec![(exp.env.clone(), Role::Env, exp.params.clone()), (exp.prompt.clone(), Role::Prompt, exp.params.clone())];
+    let mut files =
+        vec![(exp.env.clone(), Role::Env, exp.params.clone()), (exp.prompt.clone(), Role::Prompt, exp.params.clone())];
     files.extend(exp.rewards.iter().map(|r| (r.clone(), Role::Reward, exp.params.clone())));
     // OS file events where they work; re-reading every second where they do not (some containers).
     Watcher::new(host.clone(), files.clone(), WatchMode::Events)
@@ -446,7 +457,13 @@ fn put(m: &mut Map<String, Value>, k: &str, v: f64) {
 }
 
 /// The `rollout/` metrics of one step (docs/contracts.md "Metric keys").
-fn rollout_metrics(step: u64, trajs: &[Trajectory], members: &[Vec<usize>], stds: &[f64], kept: &[usize]) -> Map<String, Value> {
+fn rollout_metrics(
+    step: u64,
+    trajs: &[Trajectory],
+    members: &[Vec<usize>],
+    stds: &[f64],
+    kept: &[usize],
+) -> Map<String, Value> {
     let mut m = Map::new();
     m.insert("step".into(), json!(step));
     m.insert("time".into(), json!(now()));
@@ -522,7 +539,10 @@ fn headline(m: &Map<String, Value>) -> String {
 }
 
 fn progress_bar(show: bool, start: u64, total: u64) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(Some(total), if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+    let bar = ProgressBar::with_draw_target(
+        Some(total),
+        if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+    );
     bar.set_style(
         ProgressStyle::with_template("{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}")
             .map_err(|e| anyhow!("{e}"))
@@ -540,7 +560,10 @@ impl Summary {
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
         let mut out = String::new();
         let status = if self.interrupted { "interrupted (checkpoint saved)" } else { "done" };
-        out += &format!("ragen-lab train: {status}: steps {}–{} in {:.0} s\n", self.first_step, self.last_step, self.seconds);
+        out += &format!(
+            "ragen-lab train: {status}: steps {}–{} in {:.0} s\n",
+            self.first_step, self.last_step, self.seconds
+        );
         out += &format!("  run directory   {}\n", self.run_dir.display());
         for (k, name) in [
             ("rollout/reward_mean", "reward mean"),
@@ -564,7 +587,8 @@ impl Summary {
         if let Some(c) = &self.checkpoint {
             out += &format!("  checkpoint      {}\n", c.display());
         }
-        out += &format!("  next: ragen-lab view {}   ragen-lab plot {}\n", self.run_dir.display(), self.run_dir.display());
+        out +=
+            &format!("  next: ragen-lab view {}   ragen-lab plot {}\n", self.run_dir.display(), self.run_dir.display());
         out
     }
 }
@@ -575,7 +599,12 @@ impl Summary {
 /// `<think>`; Z is that turn's reasoning without its tags (the parsed think text, or, where the
 /// format broke, the response up to `</think>`, since generation starts inside the think block).
 /// `None` in no-think mode or when fewer than two groups have reasoning to score.
-fn template_collapse_probe(policy: &Policy, trajs: &[Trajectory], members: &[Vec<usize>], s: &Settings) -> Result<Option<MutualInfo>> {
+fn template_collapse_probe(
+    policy: &Policy,
+    trajs: &[Trajectory],
+    members: &[Vec<usize>],
+    s: &Settings,
+) -> Result<Option<MutualInfo>> {
     if !s.rollout.think {
         return Ok(None);
     }
@@ -584,7 +613,10 @@ fn template_collapse_probe(policy: &Policy, trajs: &[Trajectory], members: &[Vec
     for group in members.iter().take(s.echo.mi_samples) {
         let Some(t) = group.first().map(|&i| &trajs[i]) else { continue };
         let Some(turn) = t.turns.first() else { continue };
-        let reasoning = turn.think.clone().unwrap_or_else(|| turn.response.split("</think>").next().unwrap_or_default().to_string());
+        let reasoning = turn
+            .think
+            .clone()
+            .unwrap_or_else(|| turn.response.split("</think>").next().unwrap_or_default().to_string());
         let z = policy.encode(reasoning.trim())?;
         if z.is_empty() {
             continue;

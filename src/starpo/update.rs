@@ -74,10 +74,14 @@ fn align_values(raw: &Tensor) -> Result<Tensor> {
 /// Per-sequence vectors of a no-grad score over micro-batches.
 fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
     let rows: Vec<Vec<f32>> = x.to_vec2()?;
-    Ok(rows.into_iter().zip(lengths).map(|(mut r, &l)| {
-        r.truncate(l);
-        r
-    }).collect())
+    Ok(rows
+        .into_iter()
+        .zip(lengths)
+        .map(|(mut r, &l)| {
+            r.truncate(l);
+            r
+        })
+        .collect())
 }
 
 fn micro_batches(seqs: &[&[u32]], idx: &[usize], micro: usize, pad: u32) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
