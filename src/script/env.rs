@@ -2,7 +2,7 @@
 //! returns, with defaults filled in), [`Episode`] (one running episode: its state map and its own
 //! random stream) and [`StepOutcome`].
 //!
-//! The script contract (docs/scripting.md has a complete example):
+//! The script contract (README.md, "Writing environments", has a complete example):
 //! `fn params()` (optional) → default parameters; `fn describe(params)` → #{name, instruction, …};
 //! `fn reset(seed, params)` → the state map; `fn render(state)` → the observation text;
 //! `fn step(state, action)` → #{reward, done, success?, valid?, effective?}, mutating `state`;
