@@ -9,6 +9,9 @@
 //! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the trainer loop.
 //! - [`metrics`]: the run log, Echo-Trap diagnostics, plots.
 //! - [`view`]: the static rollout viewer.
+#[macro_use]
+mod macros;
+
 pub mod agent;
 pub mod cli;
 pub mod metrics;

@@ -15,27 +15,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::{HashSet, VecDeque};
 
-/// Declares [`EchoSettings`] once: the struct (serde default + deny_unknown_fields), its `Default`
-/// from the `= value` after each field, and `DOCS` (field, doc) for `ragen-lab settings`, the
-/// same shape as the sections of `starpo::settings`.
-macro_rules! echo_settings {
-    ($(#[doc = $sdoc:literal])* $name:ident { $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )* }) => {
-        $(#[doc = $sdoc])*
-        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-        #[serde(default, deny_unknown_fields)]
-        pub struct $name { $( $(#[doc = $doc])+ pub $field: $ty, )* }
-        impl Default for $name {
-            fn default() -> Self { Self { $($field: $default,)* } }
-        }
-        impl $name {
-            /// (field, doc) for every field, in declaration order.
-            pub const DOCS: &'static [(&'static str, &'static str)] =
-                &[$((stringify!($field), concat!($($doc, "\n"),+)),)*];
-        }
-    };
-}
-
-echo_settings! {
+settings_section! {
     /// Echo-Trap alarm thresholds (`echo.*`). Defaults follow the shapes of RAGEN's Fig. 6 curves;
     /// every alarm names the numbers it compared, so a threshold that is wrong for a task shows.
     EchoSettings {

@@ -15,26 +15,6 @@ use serde_json::{Map, Value};
 
 use crate::metrics::echo_trap::EchoSettings;
 
-/// Declares a settings section: the struct (serde default + deny_unknown_fields), its `Default`
-/// from the `= value` after each field, and `DOCS` (field name, default, doc text) for
-/// `ragen-lab settings`. One declaration serves all three so they cannot drift.
-macro_rules! section {
-    ($(#[doc = $sdoc:literal])* $name:ident { $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr, )* }) => {
-        $(#[doc = $sdoc])*
-        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-        #[serde(default, deny_unknown_fields)]
-        pub struct $name { $( $(#[doc = $doc])+ pub $field: $ty, )* }
-        impl Default for $name {
-            fn default() -> Self { Self { $($field: $default,)* } }
-        }
-        impl $name {
-            /// (field, doc) for every field, in declaration order.
-            pub const DOCS: &'static [(&'static str, &'static str)] =
-                &[$((stringify!($field), concat!($($doc, "\n"),+)),)*];
-        }
-    };
-}
-
 /// How trajectory scores are normalised within their group before advantages (RAGEN
 /// `agent_proxy.reward_normalization.method`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,7 +65,7 @@ pub enum KlKind {
     K3,
 }
 
-section! {
+settings_section! {
     /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
     Rollout {
         /// Number of env groups P per step; each group shares one start state (seed).
@@ -119,7 +99,7 @@ section! {
     }
 }
 
-section! {
+settings_section! {
     /// StarPO / StarPO-S: normalisation, filtering, advantages and losses.
     Starpo {
         /// Advantage estimator: gae (PPO), grpo, bi_level_gae.
@@ -157,7 +137,7 @@ section! {
     }
 }
 
-section! {
+settings_section! {
     /// Optimisation: AdamW for the actor and the critic, batching.
     Optim {
         /// Actor learning rate (RAGEN: 1e-6 for 0.5B models; tiny models want far more).
@@ -187,7 +167,7 @@ section! {
     }
 }
 
-section! {
+settings_section! {
     /// The loop around the algorithm: length, validation, checkpoints, seeds.
     Train {
         /// Training steps (each: one rollout, one update).
