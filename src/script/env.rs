@@ -7,13 +7,11 @@
 //! `fn reset(seed, params)` → the state map; `fn render(state)` → the observation text;
 //! `fn step(state, action)` → #{reward, done, success?, valid?, effective?}, mutating `state`;
 //! `fn valid_actions(state)` (optional) → the actions worth listing now.
-use std::sync::Arc;
 
 use rhai::Dynamic;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::engine::{Host, Script};
 use super::error::ScriptError;
 use super::params;
 use crate::rng::Rng;
@@ -170,38 +168,12 @@ impl StepOutcome {
     }
 }
 
-/// One compiled environment script. Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct EnvScript(Arc<Script>);
+script_role! {
+    /// One compiled environment script. Cheap to clone.
+    EnvScript requires [("describe", ["params"]), ("reset", ["seed", "params"]), ("render", ["state"]), ("step", ["state", "action"])]
+}
 
 impl EnvScript {
-    /// The functions an env must define, with their parameters.
-    pub const REQUIRED: [(&'static str, &'static [&'static str]); 4] = [
-        ("describe", &["params"]),
-        ("reset", &["seed", "params"]),
-        ("render", &["state"]),
-        ("step", &["state", "action"]),
-    ];
-
-    pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
-        Self::from_script(host.compile(path)?)
-    }
-
-    /// Checks the required functions are present.
-    pub fn from_script(script: Arc<Script>) -> Result<Self, ScriptError> {
-        script.require_fns(&Self::REQUIRED)?;
-        Ok(Self(script))
-    }
-
-    pub fn script(&self) -> &Arc<Script> {
-        &self.0
-    }
-
-    /// The content hash (16 hex digits).
-    pub fn version(&self) -> &str {
-        self.0.version()
-    }
-
     pub fn name(&self) -> &str {
         &self.0.name
     }

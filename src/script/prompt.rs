@@ -1,11 +1,9 @@
 //! Prompt templates as scripts ([`PromptScript`]): `fn system(info)` gives the system message and
 //! `fn user(info, turn)` each user message, from the env's description ([`EnvInfo`]) and the
 //! turn's [`TurnContext`]. The host assembles `[system, user 1, assistant 1, user 2, …]`.
-use std::sync::Arc;
 
 use serde::Serialize;
 
-use super::engine::{Host, Script};
 use super::env::{to_dynamic, type_word, EnvInfo};
 use super::error::ScriptError;
 
@@ -26,31 +24,12 @@ pub struct TurnContext {
     pub max_tokens: usize,
 }
 
-/// One compiled prompt template. Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct PromptScript(Arc<Script>);
+script_role! {
+    /// One compiled prompt template. Cheap to clone.
+    PromptScript requires [("system", ["info"]), ("user", ["info", "turn"])]
+}
 
 impl PromptScript {
-    pub const REQUIRED: [(&'static str, &'static [&'static str]); 2] =
-        [("system", &["info"]), ("user", &["info", "turn"])];
-
-    pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
-        Self::from_script(host.compile(path)?)
-    }
-
-    pub fn from_script(script: Arc<Script>) -> Result<Self, ScriptError> {
-        script.require_fns(&Self::REQUIRED)?;
-        Ok(Self(script))
-    }
-
-    pub fn script(&self) -> &Arc<Script> {
-        &self.0
-    }
-
-    pub fn version(&self) -> &str {
-        self.0.version()
-    }
-
     fn text(&self, f: &str, v: rhai::Dynamic) -> Result<String, ScriptError> {
         let what = type_word(&v);
         v.into_string().map_err(|_| ScriptError::new(&self.0.name, format!("{f} must return a string; got {what}")))

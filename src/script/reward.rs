@@ -1,37 +1,17 @@
 //! Reward shaping as scripts ([`RewardScript`]): `fn shape(turn, reward)` gets the parsed turn
 //! (think, answer, actions, invalid_actions, format_ok, response) and the reward so far, and
 //! returns the shaped reward. An experiment chains several, in order ([`shape_all`]).
-use std::sync::Arc;
 
-use super::engine::{Host, Script};
 use super::env::{to_dynamic, type_word};
 use super::error::ScriptError;
 use crate::agent::turn::ParsedTurn;
 
-/// One compiled reward-shaping script. Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct RewardScript(Arc<Script>);
+script_role! {
+    /// One compiled reward-shaping script. Cheap to clone.
+    RewardScript requires [("shape", ["turn", "reward"])]
+}
 
 impl RewardScript {
-    pub const REQUIRED: [(&'static str, &'static [&'static str]); 1] = [("shape", &["turn", "reward"])];
-
-    pub fn load(host: &Arc<Host>, path: &std::path::Path) -> Result<Self, ScriptError> {
-        Self::from_script(host.compile(path)?)
-    }
-
-    pub fn from_script(script: Arc<Script>) -> Result<Self, ScriptError> {
-        script.require_fns(&Self::REQUIRED)?;
-        Ok(Self(script))
-    }
-
-    pub fn script(&self) -> &Arc<Script> {
-        &self.0
-    }
-
-    pub fn version(&self) -> &str {
-        self.0.version()
-    }
-
     pub fn shape(&self, turn: &ParsedTurn, reward: f64) -> Result<f64, ScriptError> {
         let v = self.0.call("shape", (to_dynamic(turn, &self.0.name)?, reward), None)?;
         let r = if v.is_int() { v.as_int().unwrap_or(0) as f64 } else { v.as_float().unwrap_or(f64::NAN) };
