@@ -317,6 +317,13 @@ fn hf_save_sharded_and_gguf_forms_load_back_the_same_model() {
         let d = got.iter().zip(&want).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
         assert!(d < 1e-5, "{name}: GGUF logits differ by {d}");
         assert_eq!(g.stop_ids, p.stop_ids);
+        // RAGEN's tags are whole tokens (GGUF type 4) that still decode as text.
+        let tagged = "<answer> Dragon </answer>";
+        let enc = |m: &Policy| m.tokenizer.encode(tagged, false).unwrap().get_ids().to_vec();
+        assert_eq!(enc(&g), enc(&p), "{name}: GGUF tokenizer on tags");
+        let (ids, tag) = (enc(&g), |t: &str| g.tokenizer.token_to_id(t));
+        assert_eq!((tag("<answer>"), tag("</answer>")), (Some(ids[0]), ids.last().copied()), "{name}: {ids:?}");
+        assert_eq!(g.decode(&enc(&g)).unwrap(), tagged, "{name}: tags decode as text");
     }
 }
 

@@ -552,7 +552,10 @@ fn the_bandit_experiment_names_its_scripts_params_and_settings() {
     assert_eq!(Value::Object(x.params.clone()), json!({"hi_arm": "Dragon", "lo_arm": "Phoenix"}));
     assert_eq!(x.val_params.clone().map(Value::Object), Some(json!({"hi_arm": "Librarian", "lo_arm": "Trader"})));
     assert_eq!(x.settings["rollout"]["group_size"], json!(8));
+    assert_eq!(x.model, None, "the default model serves");
     x.scripts(&host).unwrap();
+    let tiny = Experiment::load(&host, Path::new("scripts/bandit_tiny.rhai")).unwrap();
+    assert_eq!(tiny.model.as_deref(), Some("tiny-llama"));
 }
 
 #[test]
@@ -564,6 +567,7 @@ fn an_experiment_naming_a_missing_script_or_param_is_refused() {
             "scripts/y.rhai",
             "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"envs/t.rhai\", params: #{ size: 3 } } }\n",
         ),
+        ("scripts/z.rhai", "fn experiment() { #{ env: \"envs/t.rhai\", prompt: \"envs/t.rhai\", model: 7 } }\n"),
     ]);
     let host = Host::new(dir.path(), Limits::default());
     let e = Experiment::load(&host, Path::new("scripts/x.rhai")).unwrap_err();
@@ -571,6 +575,8 @@ fn an_experiment_naming_a_missing_script_or_param_is_refused() {
     let y = Experiment::load(&host, Path::new("scripts/y.rhai")).unwrap();
     let e = y.scripts(&host).unwrap_err();
     assert!(e.to_string().contains("parameter `size`"), "{e}");
+    let e = Experiment::load(&host, Path::new("scripts/z.rhai")).unwrap_err();
+    assert!(e.to_string().contains("`model` must be a model spec string"), "{e}");
 }
 
 // ---- live reload --------------------------------------------------------------------------------

@@ -33,9 +33,9 @@ pub struct Args {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
     /// The model: an HF folder, a .gguf file, a preset (tiny-llama, tiny-qwen2), a known short
-    /// name (smollm2-135m) or a hub id.
-    #[arg(long, default_value = "smollm2-135m")]
-    pub model: String,
+    /// name (smollm2-135m) or a hub id. Default: the experiment script's `model`, else smollm2-135m.
+    #[arg(long)]
+    pub model: Option<String>,
     /// Training steps (shorthand for --set train.steps=N; with --resume, extends the run).
     #[arg(long)]
     pub steps: Option<usize>,
@@ -89,7 +89,7 @@ pub fn run(args: Args) -> Result<()> {
                     saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?,
                 ),
             };
-            let model = saved["model"].as_str().unwrap_or(&args.model).to_string();
+            let model = saved["model"].as_str().map(String::from).or(args.model.clone());
             (exp, model, dir, true)
         }
         None => {
@@ -118,9 +118,6 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("\nragen-lab: stopping after this step and saving a checkpoint (Ctrl-C again to abort)");
             stop.store(true, Ordering::SeqCst);
         });
-    }
-    if !args.quiet {
-        eprintln!("ragen-lab train: {} with {} → {}", experiment.display(), model, run_dir.display());
     }
     let summary = train(Options {
         experiment,

@@ -149,9 +149,13 @@ mod tests {
 
     /// The masked tokens decode to exactly the assistant contents, each with its end-of-turn token.
     fn check_mask(template: &str, specials: &[&str], bos: &str, eot: &str) {
-        let tok =
-            train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer> assistant user system"], 400, specials)
-                .unwrap();
+        let tok = train_bpe(
+            &["Go Up or Down? <think>Up</think><answer>Down</answer> assistant user system"],
+            400,
+            specials,
+            &[],
+        )
+        .unwrap();
         let t = ChatTemplate::new(template, bos, eot).unwrap();
         let ct = t.tokens(&tok, &conversation(), false).unwrap();
         assert_eq!(ct.ids.len(), ct.assistant_mask.len());

@@ -267,18 +267,14 @@ fn gguf_tokenizer(md: &HashMap<String, gguf_file::Value>, tokens: &[String]) -> 
         bail!("tokenizer.ggml.model {model:?} is not supported (only byte-level BPE, \"gpt2\")");
     }
     let merges = md_strings(md, "tokenizer.ggml.merges").context("missing metadata tokenizer.ggml.merges")?;
-    // token_type 3 = control, 4 = user-defined: both are matched whole, never split.
-    let special: Vec<u32> = match md.get("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()) {
-        Some(types) => types
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| matches!(t.to_i32(), Ok(3) | Ok(4)))
-            .map(|(i, _)| i as u32)
-            .collect(),
-        None => vec![],
+    // token_type 3 = control, 4 = user-defined: both are matched whole, never split; only
+    // control tokens are dropped when decoding.
+    let types = md.get("tokenizer.ggml.token_type").and_then(|v| v.to_vec().ok()).map_or(&[][..], Vec::as_slice);
+    let of_type = |ty: i32| -> Vec<u32> {
+        types.iter().enumerate().filter(|(_, t)| t.to_i32().ok() == Some(ty)).map(|(i, _)| i as u32).collect()
     };
     let pre = md.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map_or("gpt2", String::as_str);
-    byte_level_bpe(tokens, &merges, &special, pre)
+    byte_level_bpe(tokens, &merges, &of_type(3), &of_type(4), pre)
 }
 
 /// Write a GGUF file as llama.cpp's converter would (f32 tensors, Llama Q/K permuted, the
@@ -289,9 +285,8 @@ pub fn save_gguf(path: &Path, model: &Decoder, tokenizer: &Tokenizer, tokenizer_
     let arch = cfg.family.model_type();
     let (tokens, merges) = vocab_and_merges(tokenizer)?;
     let added = tokenizer.get_added_tokens_decoder();
-    let types: Vec<V> = (0..tokens.len() as u32)
-        .map(|i| V::I32(if added.get(&i).is_some_and(|t| t.special) { 3 } else { 1 }))
-        .collect();
+    let types: Vec<V> =
+        (0..tokens.len() as u32).map(|i| V::I32(added.get(&i).map_or(1, |t| if t.special { 3 } else { 4 }))).collect();
     let id_of = |field: &str| -> Option<u32> {
         tokenizer_config.get(field).and_then(Value::as_str).and_then(|t| tokenizer.token_to_id(t))
     };

@@ -355,8 +355,9 @@ impl Decoder {
         };
         // Grouped-query attention without copying K/V per head: the `group` query heads that
         // share a KV head are stacked along the query axis (HF's repeat_kv order).
-        let q = q.reshape((b, nkv, group * t, hd))?;
-        let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?; // [B, nkv, g*T, L]
+        // Scaling q rather than the scores saves one [T, L] tensor per layer (and its gradient).
+        let q = (q.reshape((b, nkv, group * t, hd))? * (1.0 / (hd as f64).sqrt()))?;
+        let scores = q.matmul(&k.t()?)?; // [B, nkv, g*T, L]
         let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
         let probs = match mode {
             Mode::Train => candle_nn::ops::softmax(&scores, D::Minus1)?,

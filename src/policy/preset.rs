@@ -1,8 +1,8 @@
 //! Tiny presets `tiny-llama` and `tiny-qwen2`: random weights of the real architectures with a
 //! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus holding
-//! the envs' vocabulary, ChatML special tokens, a ChatML template). They are written to disk in
-//! the real formats (HF folder, GGUF) and loaded back through the real loaders, so tests and
-//! quick runs exercise the same code as a pretrained model.
+//! the envs' vocabulary, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML
+//! template). They are written to disk in the real formats (HF folder, GGUF) and loaded back
+//! through the real loaders, so tests and quick runs exercise the same code as a pretrained model.
 use std::path::Path;
 
 use anyhow::{bail, Result};
@@ -20,6 +20,11 @@ pub const NAMES: &[&str] = &["tiny-llama", "tiny-qwen2"];
 
 /// ChatML's special tokens; ids 0, 1, 2 in the tiny tokenizer.
 pub const SPECIAL_TOKENS: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// RAGEN's tags, one token each in the tiny tokenizer (decoded as text, unlike the specials). A
+/// real model spells `</answer>` with 3–4 tokens it already knows; a random-weight model would
+/// have to discover that sequence by chance, which is what keeps it from ever being rewarded.
+pub const TAG_TOKENS: &[&str] = &["<think>", "</think>", "<answer>", "</answer>"];
 
 /// Vocabulary size of the tiny tokenizer (small so tiny models are fast).
 pub const VOCAB_SIZE: usize = 512;
@@ -69,7 +74,7 @@ fn config(name: &str, vocab_size: usize) -> Result<Config> {
 }
 
 fn tokenizer() -> Result<Tokenizer> {
-    train_bpe(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS)
+    train_bpe(CORPUS, VOCAB_SIZE, SPECIAL_TOKENS, TAG_TOKENS)
 }
 
 fn tokenizer_config() -> Value {
@@ -116,11 +121,13 @@ mod tests {
         for (i, s) in SPECIAL_TOKENS.iter().enumerate() {
             assert_eq!(tok.token_to_id(s), Some(i as u32));
         }
-        // Byte-level BPE never merges across the pre-tokenizer's letter/punctuation split, so
-        // "<think>" is "<", "think", ">"; the words themselves are single tokens.
-        for word in ["think", "answer", " Dragon", " Phoenix", "Up", " Right"] {
+        for word in TAG_TOKENS.iter().copied().chain(["think", "answer", " Dragon", " Phoenix", "Up", " Right"]) {
             let ids = tok.encode(word, false).unwrap();
             assert_eq!(ids.get_ids().len(), 1, "{word:?} → {:?}", ids.get_tokens());
         }
+        // The tags decode as text, so the turn parser sees them.
+        let ids = tok.encode("<answer>Up</answer>", false).unwrap();
+        assert_eq!(ids.get_ids().len(), 3);
+        assert_eq!(tok.decode(ids.get_ids(), true).unwrap(), "<answer>Up</answer>");
     }
 }

@@ -45,7 +45,15 @@ fn with_pipeline(tok: &mut Tokenizer, pre: &str) -> Result<()> {
 }
 
 /// A byte-level BPE from its vocabulary (index = id), merges (`"a b"`) and special tokens.
-pub fn byte_level_bpe(tokens: &[String], merges: &[String], special: &[u32], pre: &str) -> Result<Tokenizer> {
+/// `special` ids are control tokens (dropped when decoding); `words` ids are added tokens that
+/// are matched whole yet decode as text (GGUF token types 3 and 4).
+pub fn byte_level_bpe(
+    tokens: &[String],
+    merges: &[String],
+    special: &[u32],
+    words: &[u32],
+    pre: &str,
+) -> Result<Tokenizer> {
     let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let merges = merges
         .iter()
@@ -61,20 +69,24 @@ pub fn byte_level_bpe(tokens: &[String], merges: &[String], special: &[u32], pre
         .map_err(|e| anyhow!("building the BPE: {e}"))?;
     let mut tok = Tokenizer::new(bpe);
     with_pipeline(&mut tok, pre)?;
-    let added: Vec<AddedToken> = special
-        .iter()
-        .map(|&id| {
-            let t = tokens.get(id as usize).ok_or_else(|| anyhow!("special token id {id} is out of the vocabulary"))?;
-            Ok(AddedToken::from(t.clone(), true))
-        })
-        .collect::<Result<_>>()?;
-    tok.add_special_tokens(added).map_err(|e| anyhow!("adding special tokens: {e}"))?;
+    let added = |ids: &[u32], special: bool| -> Result<Vec<AddedToken>> {
+        ids.iter()
+            .map(|&id| {
+                let t =
+                    tokens.get(id as usize).ok_or_else(|| anyhow!("added token id {id} is out of the vocabulary"))?;
+                Ok(AddedToken::from(t.clone(), special))
+            })
+            .collect()
+    };
+    tok.add_special_tokens(added(special, true)?).map_err(|e| anyhow!("adding special tokens: {e}"))?;
+    tok.add_tokens(added(words, false)?).map_err(|e| anyhow!("adding tokens: {e}"))?;
     Ok(tok)
 }
 
-/// Train a byte-level BPE of `vocab_size` on `corpus`, special tokens first (ids 0, 1, …).
-/// Deterministic: the same corpus gives the same vocabulary and merges.
-pub fn train_bpe(corpus: &[&str], vocab_size: usize, special: &[&str]) -> Result<Tokenizer> {
+/// Train a byte-level BPE of `vocab_size` on `corpus`, special tokens first (ids 0, 1, …) and
+/// `words` (whole-matched tokens that decode as text) last. Deterministic: the same corpus gives
+/// the same vocabulary and merges.
+pub fn train_bpe(corpus: &[&str], vocab_size: usize, special: &[&str], words: &[&str]) -> Result<Tokenizer> {
     let mut tok = Tokenizer::new(BPE::default());
     with_pipeline(&mut tok, "smollm")?;
     let trainer = BpeTrainerBuilder::new()
@@ -86,6 +98,8 @@ pub fn train_bpe(corpus: &[&str], vocab_size: usize, special: &[&str]) -> Result
         .build();
     let mut trainer = TrainerWrapper::from(trainer);
     tok.train(&mut trainer, corpus.iter().copied()).map_err(|e| anyhow!("training the tokenizer: {e}"))?;
+    tok.add_tokens(words.iter().map(|w| AddedToken::from(w.to_string(), false)).collect::<Vec<_>>())
+        .map_err(|e| anyhow!("adding tokens: {e}"))?;
     Ok(tok)
 }
 
@@ -126,12 +140,12 @@ mod tests {
 
     #[test]
     fn training_is_deterministic_and_round_trips_through_vocab_and_merges() {
-        let a = train_bpe(CORPUS, 300, &["<|endoftext|>"]).unwrap();
-        let b = train_bpe(CORPUS, 300, &["<|endoftext|>"]).unwrap();
+        let a = train_bpe(CORPUS, 300, &["<|endoftext|>"], &[]).unwrap();
+        let b = train_bpe(CORPUS, 300, &["<|endoftext|>"], &[]).unwrap();
         assert_eq!(a.to_string(false).unwrap(), b.to_string(false).unwrap());
         let (tokens, merges) = vocab_and_merges(&a).unwrap();
         assert_eq!(tokens[0], "<|endoftext|>");
-        let c = byte_level_bpe(&tokens, &merges, &[0], "smollm").unwrap();
+        let c = byte_level_bpe(&tokens, &merges, &[0], &[], "smollm").unwrap();
         let text = "<think>Dragon 1234</think><|endoftext|>";
         let ids_a = a.encode(text, false).unwrap().get_ids().to_vec();
         let ids_c = c.encode(text, false).unwrap().get_ids().to_vec();
@@ -142,10 +156,10 @@ mod tests {
 
     #[test]
     fn qwen2_and_llama3_pre_tokenizers_build_and_split_digits_their_way() {
-        let a = train_bpe(CORPUS, 300, &["<|endoftext|>"]).unwrap();
+        let a = train_bpe(CORPUS, 300, &["<|endoftext|>"], &[]).unwrap();
         let (tokens, merges) = vocab_and_merges(&a).unwrap();
         let pieces = |pre: &str| {
-            let t = byte_level_bpe(&tokens, &merges, &[0], pre).unwrap();
+            let t = byte_level_bpe(&tokens, &merges, &[0], &[], pre).unwrap();
             let enc = t.encode("Up 12345", false).unwrap();
             assert_eq!(t.decode(enc.get_ids(), false).unwrap(), "Up 12345", "{pre}");
             enc.get_tokens().to_vec()
@@ -153,6 +167,6 @@ mod tests {
         // Qwen2 splits digits one by one; Llama-3 in groups of up to three.
         assert!(pieces("qwen2").ends_with(&["1", "2", "3", "4", "5"].map(String::from)));
         assert!(pieces("llama-bpe").iter().all(|p| p.chars().filter(char::is_ascii_digit).count() <= 3));
-        assert!(byte_level_bpe(&tokens, &merges, &[0], "no-such-pre").is_err());
+        assert!(byte_level_bpe(&tokens, &merges, &[0], &[], "no-such-pre").is_err());
     }
 }

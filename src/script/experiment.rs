@@ -27,6 +27,8 @@ pub struct Experiment {
     pub val_params: Option<Map<String, Value>>,
     /// Training settings as the script wrote them (keys are the trainer's setting names).
     pub settings: Map<String, Value>,
+    /// The model this experiment is sized for (`--model` overrides it).
+    pub model: Option<String>,
 }
 
 /// The env, prompt and reward scripts an experiment names, compiled.
@@ -37,7 +39,7 @@ pub struct ExperimentScripts {
     pub rewards: Vec<RewardScript>,
 }
 
-const SHAPE: &str = "#{env: \"envs/x.rhai\", prompt: \"prompts/ragen.rhai\", rewards: [\"rewards/format_penalty.rhai\"], params: #{}, val_params: #{}, settings: #{}}";
+const SHAPE: &str = "#{env: \"envs/x.rhai\", prompt: \"prompts/ragen.rhai\", rewards: [\"rewards/format_penalty.rhai\"], params: #{}, val_params: #{}, settings: #{}, model: \"smollm2-135m\"}";
 
 impl Experiment {
     pub fn load(host: &Arc<Host>, path: &Path) -> Result<Self, ScriptError> {
@@ -89,6 +91,11 @@ impl Experiment {
         let params = map("params")?.unwrap_or_default();
         let val_params = map("val_params")?;
         let settings = map("settings")?.unwrap_or_default();
+        let model = match m.remove("model") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s),
+            Some(other) => return Err(err(format!("`model` must be a model spec string; got {other}"))),
+        };
         if let Some(k) = m.keys().next() {
             return Err(err(format!("unknown key `{k}`")));
         }
@@ -101,6 +108,7 @@ impl Experiment {
             params,
             val_params,
             settings,
+            model,
         })
     }
 

@@ -37,12 +37,16 @@ use crate::policy::{Critic, Policy};
 use crate::rng::Rng;
 use crate::script::{Experiment, ExperimentScripts, Host, Limits, Loaded, Role, Update, WatchMode, Watcher};
 
+/// The model when neither `--model` nor the experiment names one.
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
 /// What `ragen-lab train` asks for.
 pub struct Options {
     /// The experiment script (scripts/*.rhai).
     pub experiment: PathBuf,
-    /// Model spec (HF dir, .gguf, preset, known name, hub id).
-    pub model: String,
+    /// Model spec (HF dir, .gguf, preset, known name, hub id); `None`: the experiment's
+    /// `model`, else [`DEFAULT_MODEL`].
+    pub model: Option<String>,
     pub preset: Preset,
     pub algo: Option<Algo>,
     /// `--set key=value` flags, in order.
@@ -75,7 +79,8 @@ pub struct Summary {
     pub alarms: Vec<String>,
 }
 
-/// Preset → `--algo` → the experiment script's settings → `--set` flags → validate.
+/// Preset → the experiment script's settings → `--algo` → `--set` flags → validate. Command-line
+/// flags beat the script, so `--algo ppo` works on a script that chose GRPO.
 pub fn resolve_settings(
     preset: Preset,
     algo: Option<Algo>,
@@ -84,10 +89,10 @@ pub fn resolve_settings(
     sets: &[String],
 ) -> Result<Settings> {
     let mut s = Settings::preset(preset);
+    s.apply_map(script, &script_path.display().to_string())?;
     if let Some(a) = algo {
         s.apply_algo(a);
     }
-    s.apply_map(script, &script_path.display().to_string())?;
     for flag in sets {
         s.apply_flag(flag)?;
     }
@@ -131,7 +136,11 @@ pub fn train(opts: Options) -> Result<Summary> {
     let mut scripts = exp.scripts(&host)?;
     // GPU 0 when built with `--features cuda` and one is present, else the CPU.
     let device = Device::cuda_if_available(0)?;
-    let base = Policy::load(&opts.model, &device)?;
+    let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
+    if opts.progress {
+        eprintln!("ragen-lab train: {} with {} → {}", opts.experiment.display(), model, opts.run_dir.display());
+    }
+    let base = Policy::load(&model, &device)?;
     let reference = if s.starpo.kl_coef > 0.0 { Some(base.deep_copy()?) } else { None };
     let (policy, critic) = match &resume_from {
         Some((ckpt, _)) => {
@@ -165,7 +174,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     };
     run.write_settings(&json!({
         "settings": s, "experiment": exp.path, "env": exp.env, "prompt": exp.prompt, "rewards": exp.rewards,
-        "params": exp.params, "val_params": exp.val_params, "model": opts.model, "preset": opts.preset,
+        "params": exp.params, "val_params": exp.val_params, "model": model, "preset": opts.preset,
         "algo": opts.algo, "sets": opts.sets, "model_source": policy.source,
     }))?;
     record_versions(&mut run, start_step, &scripts)?;
