@@ -231,3 +231,27 @@ fn a_tiny_model_learns_bandit() {
     assert_eq!(last.0, 30, "{vals:?}");
     assert!(last.1 >= 0.9, "validation success after 30 steps: {vals:?}");
 }
+
+/// GRPO on a reward that never varies: every step is skipped (no entropy-only drift), logged
+/// as `update/skipped` and a `no_signal` event, and the weights stay where they started.
+#[test]
+fn a_step_without_reward_variance_makes_no_update() {
+    let p = project();
+    fs::write(p.path().join("rewards/flat.rhai"), "fn shape(turn, reward) { 0.0 }\n").unwrap();
+    let bandit = fs::read_to_string(p.path().join("scripts/bandit.rhai")).unwrap();
+    let flat = bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai");
+    fs::write(p.path().join("scripts/flat.rhai"), flat).unwrap();
+    let mut c = Command::new(BIN);
+    c.current_dir(p.path()).args(["train", "--env", "scripts/flat.rhai", "--algo", "grpo"]);
+    c.args(&TINY[2..]).args(["--steps", "2", "--run-dir", "runs/flat"]);
+    run_ok(c);
+    let run = p.path().join("runs/flat");
+    for m in jsonl(&run.join("metrics.jsonl")) {
+        assert_eq!(m["update/skipped"], 1.0, "{m}");
+        assert!(m.get("update/entropy").is_none(), "{m}");
+    }
+    assert_eq!(jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "no_signal").count(), 2);
+    let weights =
+        |step: u32| fs::read(run.join(format!("checkpoints/step-{step:06}/policy/model.safetensors"))).unwrap();
+    assert!(weights(1) == weights(2), "a skipped step changed the weights");
+}

@@ -268,10 +268,21 @@ pub fn train(opts: Options) -> Result<Summary> {
         };
         let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].clone()).collect();
 
-        // 5. Update on the kept trajectories.
+        // 5. Update on the kept trajectories. Without a critic the advantage is the group-relative
+        // score, so kept groups with no reward variance carry no signal: the update would apply
+        // only the entropy bonus, which AdamW scales to a full-size step, and the policy drifts
+        // (SmolLM2 on FrozenLake: entropy 2.5 → 4.0 in 3 such steps). Those steps are skipped.
+        let no_signal = !s.needs_critic() && kept_groups.iter().all(|&g| stds[g] == 0.0);
+        if no_signal {
+            let msg = "no kept group has reward variance: nothing to learn from, update skipped";
+            run.event(step, "no_signal", msg, Map::new())?;
+        }
         let t1 = Instant::now();
-        let items: Vec<Item> =
-            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect();
+        let items: Vec<Item> = if no_signal {
+            Vec::new()
+        } else {
+            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect()
+        };
         let stats = update(
             Models {
                 policy: &policy,
@@ -288,7 +299,10 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
-        update_metrics(&mut line, &stats, s.optim.lr);
+        put(&mut line, "update/skipped", f64::from(u8::from(no_signal)));
+        if !no_signal {
+            update_metrics(&mut line, &stats, s.optim.lr);
+        }
         let rollout_tokens: usize =
             trajs.iter().map(|t| t.packed.ids.len() + t.turns.iter().map(|u| u.response_tokens).sum::<usize>()).sum();
         put(&mut line, "time/rollout_s", rollout_s);
