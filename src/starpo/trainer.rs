@@ -268,13 +268,13 @@ pub fn train(opts: Options) -> Result<Summary> {
         };
         let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].clone()).collect();
 
-        // 5. Update on the kept trajectories. Without a critic the advantage is the group-relative
-        // score, so kept groups with no reward variance carry no signal: the update would apply
-        // only the entropy bonus, which AdamW scales to a full-size step, and the policy drifts
-        // (SmolLM2 on FrozenLake: entropy 2.5 → 4.0 in 3 such steps). Those steps are skipped.
-        let no_signal = !s.needs_critic() && kept_groups.iter().all(|&g| stds[g] == 0.0);
+        // 5. Update on the kept trajectories. Without a critic the advantage is the normalised
+        // score; when it is 0 for every kept trajectory (GRPO on groups with no reward variance)
+        // the update would apply only the entropy bonus, which AdamW scales to a full-size step,
+        // and the policy drifts (SmolLM2 on FrozenLake: entropy 2.5 → 4.0 in 3 such steps).
+        let no_signal = !s.needs_critic() && kept.iter().all(|&i| normed[i] == 0.0);
         if no_signal {
-            let msg = "no kept group has reward variance: nothing to learn from, update skipped";
+            let msg = "every kept advantage is 0 (no reward variance in the kept groups): update skipped";
             run.event(step, "no_signal", msg, Map::new())?;
         }
         let t1 = Instant::now();
