@@ -4,7 +4,23 @@ use clap::Parser;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Keep freed memory for reuse instead of returning it to the OS. A training step frees and
+/// re-allocates gigabytes of same-sized tensors; returned pages come back as fresh page faults
+/// the kernel must zero, which took 65% of a step's CPU time (perf, notes/candle-cpu.md). The
+/// peak footprint is unchanged; only its pages are recycled. `MIMALLOC_PURGE_DELAY` still wins.
+#[cfg(feature = "mimalloc")]
+fn keep_freed_memory() {
+    // `mi_option_purge_delay` in mimalloc.h's `mi_option_e` (libmimalloc-sys does not name it).
+    const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: sets an allocator option, before any thread other than main exists.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+}
+
 fn main() {
+    #[cfg(feature = "mimalloc")]
+    keep_freed_memory();
     // Die quietly on a closed pipe (`ragen-lab settings | head`) like other Unix tools, instead
     // of panicking in println!.
     #[cfg(unix)]

@@ -130,6 +130,7 @@ pub fn rollout(
         top_p: s.top_p,
         top_k: s.top_k,
         stop_strings: vec!["</answer>".into()],
+        ..GenerationConfig::default()
     };
 
     let mut live = Vec::new();

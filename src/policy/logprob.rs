@@ -6,13 +6,24 @@
 //! still keeps each chunk's graph until `backward()`, so the trainer bounds memory with
 //! micro-batches (`TokenBatch::split`) and sums their gradients (`accumulate_grads`), or calls
 //! `loss_and_grads`, which keeps only one chunk's logits graph alive at a time. Without
-//! gradients (`token_logprobs_no_grad`: old and reference log-probs) each chunk is freed at once.
+//! gradients (`token_logprobs_no_grad`: old and reference log-probs) no graph is recorded at all
+//! (`Mode::Score`): every activation is freed as soon as the next op has read it.
+//!
+//! Shared prefixes: a group's trajectories start with the same prompt. A batch whose rows agree
+//! on their first `prefix` tokens (`TokenBatch::share_prefix`) runs those tokens once and the
+//! rows' remainders against their keys and values; forward and backward cost the prefix once
+//! instead of once per row, and the gradients are the same sums. Positions up to `prefix` are
+//! then not scored (0), so a caller shares only tokens it does not train on.
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var, D};
 
 use super::model::Mode;
 use super::Policy;
+use crate::policy::model::Decoder;
+
+/// Shared prefixes shorter than this run with every row (nothing worth saving).
+const MIN_SHARED_PREFIX: usize = 4;
 
 /// Default of `Policy::logit_chunk`: most full-vocabulary logits alive at once, 16 M floats = 64 MiB.
 pub const LOGIT_CHUNK: usize = 1 << 24;
@@ -25,6 +36,9 @@ pub struct TokenBatch {
     pub rows: usize,
     pub len: usize,
     pub lengths: Vec<usize>,
+    /// Leading tokens that every row has in common and that run once for all of them
+    /// (0: none). Positions up to and including `prefix` are not scored.
+    pub prefix: usize,
 }
 
 impl TokenBatch {
@@ -39,17 +53,49 @@ impl TokenBatch {
             ids.extend_from_slice(s);
             ids.extend(std::iter::repeat_n(pad_id, len - s.len()));
         }
-        Ok(Self { ids, rows: seqs.len(), len, lengths: seqs.iter().map(Vec::len).collect() })
+        Ok(Self { ids, rows: seqs.len(), len, lengths: seqs.iter().map(Vec::len).collect(), prefix: 0 })
+    }
+
+    /// Run the rows' common leading tokens once, as far as the scores are not needed: no
+    /// position before `first_scored` is scored afterwards (the caller's first trained
+    /// position, e.g. the first assistant token). Shares nothing for a single row or when the
+    /// rows have too little in common.
+    pub fn share_prefix(mut self, first_scored: usize) -> Self {
+        let row = |r: usize| &self.ids[r * self.len..r * self.len + self.lengths[r]];
+        let mut common = self.lengths.iter().copied().min().unwrap_or(0);
+        for r in 1..self.rows {
+            common = common.min(row(0).iter().zip(row(r)).take_while(|(a, b)| a == b).count());
+        }
+        // The last shared token runs with every row: its hidden state predicts the row's own next token.
+        let prefix = common.min(first_scored).saturating_sub(1);
+        // Every row keeps at least one token to score; below a few tokens sharing saves nothing.
+        if self.rows > 1 && prefix >= MIN_SHARED_PREFIX && self.lengths.iter().all(|&l| l > prefix + 1) {
+            self.prefix = prefix;
+        }
+        self
+    }
+
+    /// Token positions a forward pass computes: the shared prefix once, the rest per row.
+    pub fn tokens_computed(&self) -> usize {
+        self.prefix + self.rows * (self.len - self.prefix)
+    }
+
+    /// The rows' tokens after the shared prefix, `[B, len - prefix]`.
+    fn own_ids_tensor(&self, dev: &Device) -> Result<Tensor> {
+        let n = self.len - self.prefix;
+        let ids: Vec<u32> =
+            (0..self.rows).flat_map(|r| self.ids[r * self.len + self.prefix..(r + 1) * self.len].iter().copied()).collect();
+        Ok(Tensor::from_vec(ids, (self.rows, n), dev)?)
     }
 
     pub fn ids_tensor(&self, dev: &Device) -> Result<Tensor> {
         Ok(Tensor::from_vec(self.ids.clone(), (self.rows, self.len), dev)?)
     }
 
-    /// `[B, T]` f32: 1 where a position is scored (0 < t < length), else 0.
+    /// `[B, T]` f32: 1 where a position is scored (prefix < t < length; prefix 0: 0 < t), else 0.
     pub fn score_mask(&self, dev: &Device) -> Result<Tensor> {
         let m: Vec<f32> = (0..self.rows)
-            .flat_map(|r| (0..self.len).map(move |t| (t > 0 && t < self.lengths[r]) as u8 as f32))
+            .flat_map(|r| (0..self.len).map(move |t| (t > self.prefix && t < self.lengths[r]) as u8 as f32))
             .collect();
         Ok(Tensor::from_vec(m, (self.rows, self.len), dev)?)
     }
@@ -63,7 +109,7 @@ impl TokenBatch {
                 let r1 = (r0 + rows).min(self.rows);
                 let len = self.lengths[r0..r1].iter().copied().max().unwrap_or(0);
                 let ids = (r0..r1).flat_map(|r| self.ids[r * self.len..r * self.len + len].iter().copied()).collect();
-                TokenBatch { ids, rows: r1 - r0, len, lengths: self.lengths[r0..r1].to_vec() }
+                TokenBatch { ids, rows: r1 - r0, len, lengths: self.lengths[r0..r1].to_vec(), prefix: self.prefix }
             })
             .collect()
     }
@@ -106,39 +152,60 @@ impl Policy {
     }
 
     fn score(&self, batch: &TokenBatch, detach: bool) -> Result<Scored> {
-        let dev = self.device();
-        let mask = batch.score_mask(dev)?;
-        if batch.len < 2 {
+        let mask = batch.score_mask(self.device())?;
+        if batch.len < batch.prefix + 2 {
             return Ok(Scored { logprobs: mask.zeros_like()?, entropy: mask.zeros_like()? });
         }
-        let ids = batch.ids_tensor(dev)?;
-        let hidden = self.model.hidden(&ids, &vec![0; batch.rows], None, Mode::Train)?; // [B, T, H]
+        let mode = if detach { Mode::Score } else { Mode::Train };
+        let (hidden, ids) = self.own_hidden(batch, mode)?;
         let (mut lps, mut ents) = (vec![], vec![]);
         for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(&hidden, &ids, s, c)?;
-            let (lp, ent) = if detach { (lp.detach(), ent.detach()) } else { (lp, ent) };
+            let (lp, ent) = self.chunk_scores(&hidden, &ids, s, c, !detach)?;
             lps.push(lp);
             ents.push(ent);
         }
-        let first = mask.narrow(1, 0, 1)?.zeros_like()?; // position 0 predicts nothing
-        lps.insert(0, first.clone());
-        ents.insert(0, first);
-        Ok(Scored { logprobs: (Tensor::cat(&lps, 1)? * &mask)?, entropy: (Tensor::cat(&ents, 1)? * &mask)? })
+        self.assemble(batch, &mask, lps, ents)
     }
 
-    /// `(start, len)` of the sequence chunks over the T-1 predicting positions, sized so one
-    /// chunk's logits hold at most `Policy::logit_chunk` floats.
+    /// The final hidden states of each row's own tokens (those after the shared prefix) and
+    /// those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
+    fn own_hidden(&self, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
+        let dev = self.device();
+        let model: &Decoder = &self.model;
+        let ids = batch.own_ids_tensor(dev)?;
+        let hidden = if batch.prefix == 0 {
+            model.hidden(&ids, &vec![0; batch.rows], None, mode)?
+        } else {
+            let prefix = model.prefix(&batch.ids[..batch.prefix], mode)?;
+            model.hidden_after(&prefix, &ids, mode)?
+        };
+        Ok((hidden, ids))
+    }
+
+    /// Chunk scores (over the own tokens' predicting positions) laid out as `[B, len]`.
+    fn assemble(&self, batch: &TokenBatch, mask: &Tensor, mut lps: Vec<Tensor>, mut ents: Vec<Tensor>) -> Result<Scored> {
+        // Positions up to the prefix's last token predict nothing here.
+        let first = mask.narrow(1, 0, batch.prefix + 1)?.zeros_like()?;
+        lps.insert(0, first.clone());
+        ents.insert(0, first);
+        Ok(Scored { logprobs: (Tensor::cat(&lps, 1)? * mask)?, entropy: (Tensor::cat(&ents, 1)? * mask)? })
+    }
+
+    /// `(start, len)` of the sequence chunks over the predicting positions of the rows' own
+    /// tokens, sized so one chunk's logits hold at most `Policy::logit_chunk` floats.
     fn chunks(&self, batch: &TokenBatch) -> Vec<(usize, usize)> {
-        let n = batch.len.saturating_sub(1);
+        let n = (batch.len - batch.prefix).saturating_sub(1);
         let chunk = (self.logit_chunk / (batch.rows * self.model.cfg.vocab_size).max(1)).max(1);
         (0..n).step_by(chunk).map(|s| (s, chunk.min(n - s))).collect()
     }
 
-    /// Log-prob of the next token and entropy at positions `s..s+c`, each `[B, c]`.
-    fn chunk_scores(&self, hidden: &Tensor, ids: &Tensor, s: usize, c: usize) -> Result<(Tensor, Tensor)> {
+    /// Log-prob of the next token and entropy at positions `s..s+c`, each `[B, c]`; with a
+    /// graph through the output weights when `grad`.
+    fn chunk_scores(&self, hidden: &Tensor, ids: &Tensor, s: usize, c: usize, grad: bool) -> Result<(Tensor, Tensor)> {
         let (b, _, h) = hidden.dims3()?;
         let hc = hidden.narrow(1, s, c)?.reshape((b * c, h))?;
-        let logp = candle_nn::ops::log_softmax(&self.model.logits(&hc)?, D::Minus1)?; // [B*c, V]
+        let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [B*c, V]
         let tgt = ids.narrow(1, s + 1, c)?.contiguous()?.reshape((b * c, 1))?; // what position t predicts: ids[t+1]
         let lp = logp.gather(&tgt, 1)?.reshape((b, c))?;
         let ent = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?.reshape((b, c))?;
@@ -155,21 +222,19 @@ impl Policy {
         batch: &TokenBatch,
         loss: impl FnOnce(&Scored) -> Result<Tensor>,
     ) -> Result<(f32, GradStore)> {
-        let dev = self.device();
-        let mask = batch.score_mask(dev)?;
-        let ids = batch.ids_tensor(dev)?;
-        let hidden = self.model.hidden(&ids, &vec![0; batch.rows], None, Mode::Train)?; // [B, T, H]
+        let mask = batch.score_mask(self.device())?;
+        let (hidden, ids) = self.own_hidden(batch, Mode::Train)?; // [B, S, H], graph to every weight
         let h_leaf = Var::from_tensor(&hidden.detach())?;
         // 1. Scores without a graph, as leaves the loss can be differentiated against.
-        let (mut lps, mut ents) =
-            (vec![mask.narrow(1, 0, 1)?.zeros_like()?], vec![mask.narrow(1, 0, 1)?.zeros_like()?]);
+        let (mut lps, mut ents) = (vec![], vec![]);
         for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(&h_leaf.as_tensor().detach(), &ids, s, c)?;
-            lps.push(lp.detach());
-            ents.push(ent.detach());
+            let (lp, ent) = self.chunk_scores(&h_leaf.as_tensor().detach(), &ids, s, c, false)?;
+            lps.push(lp);
+            ents.push(ent);
         }
-        let lp_leaf = Var::from_tensor(&(Tensor::cat(&lps, 1)? * &mask)?)?;
-        let ent_leaf = Var::from_tensor(&(Tensor::cat(&ents, 1)? * &mask)?)?;
+        let scored = self.assemble(batch, &mask, lps, ents)?;
+        let lp_leaf = Var::from_tensor(&scored.logprobs)?;
+        let ent_leaf = Var::from_tensor(&scored.entropy)?;
         let l = loss(&Scored { logprobs: lp_leaf.as_tensor().clone(), entropy: ent_leaf.as_tensor().clone() })?;
         let value = l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         let g = l.backward()?;
@@ -182,9 +247,11 @@ impl Policy {
         let mut grad_h = h_leaf.as_tensor().zeros_like()?;
         let mut grad_head: Option<Tensor> = None;
         for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(h_leaf.as_tensor(), &ids, s, c)?;
+            let (lp, ent) = self.chunk_scores(h_leaf.as_tensor(), &ids, s, c, true)?;
+            // Own-token chunk position s + i scores batch position prefix + 1 + s + i.
+            let at = batch.prefix + 1 + s;
             let surrogate =
-                ((lp * g_lp.narrow(1, s + 1, c)?)?.sum_all()? + (ent * g_ent.narrow(1, s + 1, c)?)?.sum_all()?)?;
+                ((lp * g_lp.narrow(1, at, c)?)?.sum_all()? + (ent * g_ent.narrow(1, at, c)?)?.sum_all()?)?;
             let gs = surrogate.backward()?;
             if let Some(gh) = gs.get(h_leaf.as_tensor()) {
                 grad_h = (grad_h + gh)?;

@@ -1,11 +1,17 @@
 //! The decoder: Llama and Qwen2 families in one block (RMSNorm, RoPE, grouped-query attention,
 //! SwiGLU; Qwen2 adds a Q/K/V bias), weights as candle `Var`s under their Hugging Face names.
 //!
-//! One forward pass serves two modes over the same weights:
+//! One forward pass serves three modes over the same weights:
 //! - `Mode::Train`: differentiable ops only (`rms_norm_slow`, a composite RoPE, `ops::softmax`),
 //!   so every weight receives a gradient. candle's fused ops silently cut the graph
 //!   (shared/notes/candle-cpu.md §1).
-//! - `Mode::Sample`: fused no-grad kernels and a pre-allocated `KvCache`.
+//! - `Mode::Score`: Train's ops on detached weights: bit-identical values, no graph, so every
+//!   intermediate is freed as soon as the next op has read it (old and reference log-probs).
+//! - `Mode::Sample`: fused no-grad kernels on detached weights and a pre-allocated `KvCache`.
+//!
+//! Rows that continue one shared prefix (a group's common prompt) can run it once: `prefix`
+//! computes its keys and values (with their graph in Train mode) and `hidden_after` runs the
+//! rows' own tokens against them, so the prefix's gradient is the sum over the rows, exactly.
 //!
 //! Rows carry their own positions: `starts[b]` is the index of row b's first real token, so a
 //! left-padded row's first token sits at RoPE position 0 and its padding is masked out of
@@ -16,11 +22,24 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use super::config::Config;
 use crate::rng::Rng;
 
-/// Which ops the forward pass uses (see the module doc).
+/// Which ops the forward pass uses and whether it records a graph (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Train,
+    Score,
     Sample,
+}
+
+impl Mode {
+    /// A weight as this mode reads it: detached (no graph recorded through it) unless training.
+    /// Without this, every op of a no-grad pass would be recorded and keep its inputs alive
+    /// until the output is dropped: gigabytes of activations for a batched prefill.
+    fn weight(self, v: &Var) -> Tensor {
+        match self {
+            Mode::Train => v.as_tensor().clone(),
+            Mode::Score | Mode::Sample => v.as_tensor().detach(),
+        }
+    }
 }
 
 /// A projection `y = x Wᵀ (+ b)`, `W` as HF stores it: `[out, in]`.
@@ -32,10 +51,10 @@ pub struct Linear {
 impl Linear {
     /// # Shapes
     /// x: [N, in] → [N, out]
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.matmul(&self.weight.as_tensor().t()?)?;
+    fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
+        let y = x.matmul(&mode.weight(&self.weight).t()?)?;
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b.as_tensor())?,
+            Some(b) => y.broadcast_add(&mode.weight(b))?,
             None => y,
         })
     }
@@ -88,6 +107,41 @@ impl KvCache {
         self.len == 0
     }
 
+    /// Mark the first `len` positions as filled (the next forward pass writes from there).
+    pub fn set_len(&mut self, len: usize) {
+        self.len = len.min(self.capacity);
+    }
+
+    /// Copy a shared prefix's keys and values into batch row `row` at positions `at..`.
+    pub fn write_prefix(&mut self, row: usize, at: usize, prefix: &SharedPrefix) -> Result<()> {
+        for ((k, v), (pk, pv)) in self.layers.iter().zip(&prefix.layers) {
+            k.narrow(0, row, 1)?.slice_set(pk, 2, at)?;
+            v.narrow(0, row, 1)?.slice_set(pv, 2, at)?;
+        }
+        Ok(())
+    }
+
+    /// Stack caches of the same capacity and length along the batch.
+    pub fn cat(caches: Vec<KvCache>) -> Result<KvCache> {
+        let mut caches = caches.into_iter();
+        let Some(mut first) = caches.next() else { bail!("no caches to stack") };
+        let rest: Vec<KvCache> = caches.collect();
+        if rest.is_empty() {
+            return Ok(first);
+        }
+        if rest.iter().any(|c| c.len != first.len || c.capacity != first.capacity) {
+            bail!("stacking kv caches of different lengths");
+        }
+        for (l, (k, v)) in first.layers.iter_mut().enumerate() {
+            let ks: Vec<&Tensor> = std::iter::once(&*k).chain(rest.iter().map(|c| &c.layers[l].0)).collect();
+            let vs: Vec<&Tensor> = std::iter::once(&*v).chain(rest.iter().map(|c| &c.layers[l].1)).collect();
+            let (nk, nv) = (Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?);
+            *k = nk;
+            *v = nv;
+        }
+        Ok(first)
+    }
+
     /// Keep only the batch rows `keep` (in that order): finished sequences leave the batch.
     pub fn retain(&mut self, keep: &[usize]) -> Result<()> {
         let Some((k0, _)) = self.layers.first() else { return Ok(()) };
@@ -98,6 +152,33 @@ impl KvCache {
         }
         Ok(())
     }
+}
+
+/// Keys and values of one shared prefix row, per layer `[1, n_kv, P, head_dim]`, for rows that
+/// continue it (`Decoder::hidden_after`). Built in Train mode they carry their graph, so the
+/// gradient of every continuing row flows back through the prefix.
+pub struct SharedPrefix {
+    layers: Vec<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl SharedPrefix {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Earlier positions a forward pass attends to besides its own tokens.
+enum Past<'a> {
+    None,
+    /// Written into in place (sampling).
+    Cache(&'a mut KvCache),
+    /// Concatenated in front of every row's own keys and values (differentiable).
+    Prefix(&'a SharedPrefix),
 }
 
 /// `(name, shape)` of every weight in HF naming and order.
@@ -250,24 +331,64 @@ impl Decoder {
         Ok(hidden.matmul(&self.lm_head_weight().t()?)?)
     }
 
+    /// `logits` without a graph through the weights (sampling, no-grad scoring).
+    pub fn logits_no_grad(&self, hidden: &Tensor) -> Result<Tensor> {
+        Ok(hidden.matmul(&self.lm_head_weight().detach().t()?)?)
+    }
+
     /// The final hidden states (after the last RMSNorm) for `ids`.
     ///
     /// With a cache, `ids` continue the cached positions and their keys/values are appended.
     /// # Shapes
     /// ids: [B, T] u32, starts: [B] → [B, T, H]
-    pub fn hidden(
+    pub fn hidden(&self, ids: &Tensor, starts: &[usize], cache: Option<&mut KvCache>, mode: Mode) -> Result<Tensor> {
+        let past = match cache {
+            Some(c) => Past::Cache(c),
+            None => Past::None,
+        };
+        self.forward(ids, starts, past, None, mode)
+    }
+
+    /// Run a prefix shared by several rows once (one row, positions 0..P) and keep its keys and
+    /// values for `hidden_after`.
+    pub fn prefix(&self, ids: &[u32], mode: Mode) -> Result<SharedPrefix> {
+        if ids.is_empty() {
+            bail!("a shared prefix needs at least one token");
+        }
+        let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), self.device())?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        self.forward(&x, &[0], Past::None, Some(&mut layers), mode)?;
+        Ok(SharedPrefix { layers, len: ids.len() })
+    }
+
+    /// Hidden states of rows that continue `prefix`: row b's token j sits at position P + j and
+    /// attends to the whole prefix and to its own tokens up to j. Rows are right-padded.
+    /// # Shapes
+    /// ids: [B, T] u32 → [B, T, H]
+    pub fn hidden_after(&self, prefix: &SharedPrefix, ids: &Tensor, mode: Mode) -> Result<Tensor> {
+        let b = ids.dim(0)?;
+        self.forward(ids, &vec![0; b], Past::Prefix(prefix), None, mode)
+    }
+
+    /// The decoder stack. `record` collects each layer's (roped) keys and values of `ids`.
+    fn forward(
         &self,
         ids: &Tensor,
         starts: &[usize],
-        mut cache: Option<&mut KvCache>,
+        mut past: Past<'_>,
+        mut record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         if starts.len() != b {
             bail!("{} row starts for a batch of {b}", starts.len());
         }
-        let offset = cache.as_ref().map_or(0, |c| c.len);
-        if let Some(c) = &cache {
+        let offset = match &past {
+            Past::None => 0,
+            Past::Cache(c) => c.len,
+            Past::Prefix(p) => p.len,
+        };
+        if let Past::Cache(c) = &past {
             if offset + t > c.capacity {
                 bail!("kv cache full: {} + {t} positions > capacity {}", c.len, c.capacity);
             }
@@ -277,21 +398,26 @@ impl Decoder {
         let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
         let mask = attention_mask(b, t, offset, starts, dev)?;
         let h = self.cfg.hidden_size;
-        let mut x = self.embed_tokens.as_tensor().index_select(&ids.flatten_all()?, 0)?; // [B*T, H]
+        let eps = self.cfg.rms_norm_eps;
+        let mut x = mode.weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?; // [B*T, H]
         for (l, layer) in self.layers.iter().enumerate() {
-            let kv = cache.as_deref_mut().map(|c| (&c.layers[l], offset));
-            let normed = rms_norm(&x, &layer.input_layernorm, self.cfg.rms_norm_eps, mode)?;
-            let attn = self.attention(layer, &normed, b, t, kv_len, &cos, &sin, &mask, kv, mode)?;
+            let kv = match &mut past {
+                Past::None => LayerPast::None,
+                Past::Cache(c) => LayerPast::Cache(&c.layers[l], offset),
+                Past::Prefix(p) => LayerPast::Prefix(&p.layers[l]),
+            };
+            let normed = rms_norm(&x, &layer.input_layernorm, eps, mode)?;
+            let attn = self.attention(layer, &normed, b, t, kv_len, &cos, &sin, &mask, kv, record.as_deref_mut(), mode)?;
             x = (x + attn)?;
-            let normed = rms_norm(&x, &layer.post_attention_layernorm, self.cfg.rms_norm_eps, mode)?;
-            let gate = layer.gate_proj.forward(&normed)?.silu()?;
-            let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed)?)?)?;
+            let normed = rms_norm(&x, &layer.post_attention_layernorm, eps, mode)?;
+            let gate = layer.gate_proj.forward(&normed, mode)?.silu()?;
+            let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed, mode)?)?, mode)?;
             x = (x + mlp)?;
         }
-        if let Some(c) = cache {
+        if let Past::Cache(c) = past {
             c.len = kv_len;
         }
-        Ok(rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, mode)?.reshape((b, t, h))?)
+        Ok(rms_norm(&x, &self.norm, eps, mode)?.reshape((b, t, h))?)
     }
 
     /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
@@ -333,7 +459,8 @@ impl Decoder {
         cos: &Tensor,
         sin: &Tensor,
         mask: &Tensor,
-        cache: Option<(&(Tensor, Tensor), usize)>,
+        past: LayerPast<'_>,
+        record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
@@ -342,16 +469,25 @@ impl Decoder {
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?) // [B, n, T, hd]
         };
-        let q = rope(&heads(layer.q_proj.forward(x)?, nh)?, cos, sin, mode)?;
-        let k = rope(&heads(layer.k_proj.forward(x)?, nkv)?, cos, sin, mode)?;
-        let v = heads(layer.v_proj.forward(x)?, nkv)?;
-        let (k, v) = match cache {
-            Some(((ck, cv), offset)) => {
+        let q = rope(&heads(layer.q_proj.forward(x, mode)?, nh)?, cos, sin, mode)?;
+        let k = rope(&heads(layer.k_proj.forward(x, mode)?, nkv)?, cos, sin, mode)?;
+        let v = heads(layer.v_proj.forward(x, mode)?, nkv)?;
+        if let Some(r) = record {
+            r.push((k.clone(), v.clone()));
+        }
+        let (k, v) = match past {
+            LayerPast::Cache((ck, cv), offset) => {
                 ck.slice_set(&k, 2, offset)?;
                 cv.slice_set(&v, 2, offset)?;
                 (ck.narrow(2, 0, kv_len)?, cv.narrow(2, 0, kv_len)?)
             }
-            None => (k, v),
+            LayerPast::Prefix((pk, pv)) => {
+                let p = pk.dim(2)?;
+                let pk = pk.broadcast_as((b, nkv, p, hd))?.contiguous()?;
+                let pv = pv.broadcast_as((b, nkv, p, hd))?.contiguous()?;
+                (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?)
+            }
+            LayerPast::None => (k, v),
         };
         // Grouped-query attention without copying K/V per head: the `group` query heads that
         // share a KV head are stacked along the query axis (HF's repeat_kv order).
@@ -360,13 +496,20 @@ impl Decoder {
         let scores = q.matmul(&k.t()?)?; // [B, nkv, g*T, L]
         let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
         let probs = match mode {
-            Mode::Train => candle_nn::ops::softmax(&scores, D::Minus1)?,
+            Mode::Train | Mode::Score => candle_nn::ops::softmax(&scores, D::Minus1)?,
             Mode::Sample => candle_nn::ops::softmax_last_dim(&scores)?,
         };
         let out = probs.reshape((b, nkv, group * t, kv_len))?.matmul(&v)?; // [B, nkv, g*T, hd]
         let out = out.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b * t, nh * hd))?;
-        layer.o_proj.forward(&out)
+        layer.o_proj.forward(&out, mode)
     }
+}
+
+/// One layer's view of `Past`.
+enum LayerPast<'a> {
+    None,
+    Cache(&'a (Tensor, Tensor), usize),
+    Prefix(&'a (Tensor, Tensor)),
 }
 
 /// Additive mask `[B, 1, 1, T, L]`: query j of row b (cache index offset+j) sees key s when
@@ -390,9 +533,10 @@ fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: &Dev
 /// # Shapes
 /// x: [N, H], weight: [H] → [N, H]
 fn rms_norm(x: &Tensor, weight: &Var, eps: f64, mode: Mode) -> Result<Tensor> {
+    let w = mode.weight(weight);
     Ok(match mode {
-        Mode::Train => candle_nn::ops::rms_norm_slow(x, weight.as_tensor(), eps as f32)?,
-        Mode::Sample => candle_nn::ops::rms_norm(&x.contiguous()?, weight.as_tensor(), eps as f32)?,
+        Mode::Train | Mode::Score => candle_nn::ops::rms_norm_slow(x, &w, eps as f32)?,
+        Mode::Sample => candle_nn::ops::rms_norm(&x.contiguous()?, &w, eps as f32)?,
     })
 }
 

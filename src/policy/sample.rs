@@ -1,6 +1,8 @@
-//! Batched generation: prompts are left-padded into one batch, prefilled once into a
-//! pre-allocated KV cache, then decoded one token per row per step with the fused (no-grad)
-//! ops. Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
+//! Batched generation: prompts are left-padded into one batch, prefilled into a pre-allocated
+//! KV cache, then decoded one token per row per step with the fused (no-grad) ops. Prompts that
+//! share a long prefix (a group's episodes start from the same prompt; later turns still share
+//! the first one) prefill it once: its keys and values are copied into each row's cache and only
+//! the rows' own tokens are prefilled (`GenerationConfig::share_prefixes`). Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
 //! token budget); finished rows leave the batch (and the cache) in groups. Sampling (temperature,
 //! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout.
 use anyhow::{bail, Result};
@@ -21,12 +23,56 @@ pub struct GenerationConfig {
     pub top_k: usize,
     /// Text that ends a row's generation (e.g. `</answer>`); the text is cut after it.
     pub stop_strings: Vec<String>,
+    /// Prefill a prefix shared by consecutive prompts once (false: every row in full, the
+    /// reference path the tests compare against).
+    pub share_prefixes: bool,
 }
 
 impl Default for GenerationConfig {
     fn default() -> Self {
-        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: 0, stop_strings: vec![] }
+        Self {
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_strings: vec![],
+            share_prefixes: true,
+        }
     }
+}
+
+/// Shared prefixes shorter than this are prefilled with every row.
+const MIN_SHARED_PREFIX: usize = 16;
+
+/// Consecutive prompts that prefill a common prefix once.
+#[derive(Debug, PartialEq)]
+struct Cluster {
+    rows: std::ops::Range<usize>,
+    /// Tokens prefilled once (0: none); always less than every row's length.
+    prefix: usize,
+}
+
+/// Split the prompts into runs that share a prefix. A row joins the run before it when it
+/// keeps at least 90% of the run's shared prefix: a group's rows share their whole first prompt,
+/// and a row of the next group (another start state) begins its own run rather than cutting
+/// the shared part down to the system prompt for everyone.
+fn clusters(prompts: &[Vec<u32>], share: bool) -> Vec<Cluster> {
+    let mut out: Vec<Cluster> = Vec::new();
+    for (r, p) in prompts.iter().enumerate() {
+        if let (Some(c), true) = (out.last_mut(), share) {
+            let first = &prompts[c.rows.start];
+            let common = first.iter().zip(p).take_while(|(a, b)| a == b).count().min(p.len() - 1);
+            let shared = if c.rows.len() == 1 { first.len() - 1 } else { c.prefix };
+            let joined = common.min(shared);
+            if joined >= MIN_SHARED_PREFIX && joined * 10 >= shared * 9 {
+                c.rows.end = r + 1;
+                c.prefix = joined;
+                continue;
+            }
+        }
+        out.push(Cluster { rows: r..r + 1, prefix: 0 });
+    }
+    out
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -112,16 +158,8 @@ impl Policy {
         }
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let starts: Vec<usize> = prompts.iter().map(|x| p - x.len()).collect();
-        let mut flat = Vec::with_capacity(b * p);
-        for (x, &s) in prompts.iter().zip(&starts) {
-            flat.extend(std::iter::repeat_n(self.pad_id, s));
-            flat.extend_from_slice(x);
-        }
         let dev = self.device();
-        let mut cache = KvCache::new(&self.model.cfg, b, p + cfg.max_new_tokens, dev)?;
-        let hidden =
-            self.model.hidden(&Tensor::from_vec(flat, (b, p), dev)?, &starts, Some(&mut cache), Mode::Sample)?;
-        let mut last = hidden.narrow(1, p - 1, 1)?.squeeze(1)?; // [B, H]
+        let (mut cache, mut last) = self.prefill(prompts, &starts, cfg)?;
         let mut out: Vec<Generation> = (0..b)
             .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
             .collect();
@@ -131,7 +169,7 @@ impl Policy {
         let mut active: Vec<usize> = (0..b).collect();
         let mut active_starts = starts.clone();
         for step in 0..cfg.max_new_tokens {
-            let logits = self.model.logits(&last)?.to_vec2::<f32>()?;
+            let logits = self.model.logits_no_grad(&last)?.to_vec2::<f32>()?;
             let mut next = vec![self.pad_id; active.len()];
             for (k, &row) in active.iter().enumerate() {
                 if done[row] {
@@ -183,13 +221,50 @@ impl Policy {
         Ok(out)
     }
 
+    /// The KV cache after every prompt, left-padded to a common end `p`, with room for the new
+    /// tokens; and the last position's hidden state of each row, `[B, H]`. Each cluster of rows
+    /// runs its shared prefix once (its keys and values copied to every row's place) and then
+    /// only the positions from its earliest own token to `p`.
+    fn prefill(&self, prompts: &[Vec<u32>], starts: &[usize], cfg: &GenerationConfig) -> Result<(KvCache, Tensor)> {
+        let dev = self.device();
+        let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let capacity = p + cfg.max_new_tokens;
+        let (mut caches, mut lasts) = (Vec::new(), Vec::new());
+        for c in clusters(prompts, cfg.share_prefixes) {
+            let rows = c.rows.len();
+            let mut cache = KvCache::new(&self.model.cfg, rows, capacity, dev)?;
+            if c.prefix > 0 {
+                let shared = self.model.prefix(&prompts[c.rows.start][..c.prefix], Mode::Sample)?;
+                for (i, r) in c.rows.clone().enumerate() {
+                    cache.write_prefix(i, starts[r], &shared)?;
+                }
+            }
+            // Positions p - own .. p hold every row's own tokens (and, for shorter rows, some
+            // already cached or padding positions, recomputed or masked).
+            let own = c.rows.clone().map(|r| prompts[r].len() - c.prefix).max().unwrap_or(1);
+            let mut flat = Vec::with_capacity(rows * own);
+            for r in c.rows.clone() {
+                let row = &prompts[r];
+                for pos in p - own..p {
+                    flat.push(if pos < starts[r] { self.pad_id } else { row[pos - starts[r]] });
+                }
+            }
+            cache.set_len(p - own);
+            let ids = Tensor::from_vec(flat, (rows, own), dev)?;
+            let hidden = self.model.hidden(&ids, &starts[c.rows.clone()], Some(&mut cache), Mode::Sample)?;
+            lasts.push(hidden.narrow(1, own - 1, 1)?.squeeze(1)?); // [rows, H]
+            caches.push(cache);
+        }
+        Ok((KvCache::cat(caches)?, Tensor::cat(&lasts, 0)?))
+    }
+
     /// Last-position logits after `ids` (one row, sampling path), for checks and the CLI.
     pub fn next_token_logits(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let dev = self.device();
         let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), dev)?;
         let h = self.model.hidden(&x, &[0], None, Mode::Sample)?;
         let last = h.narrow(1, ids.len() - 1, 1)?.squeeze(1)?;
-        Ok(self.model.logits(&last)?.squeeze(0)?.to_vec1::<f32>()?)
+        Ok(self.model.logits_no_grad(&last)?.squeeze(0)?.to_vec1::<f32>()?)
     }
 }
 

@@ -84,9 +84,21 @@ fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
-fn micro_batches(seqs: &[&[u32]], idx: &[usize], micro: usize, pad: u32) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
+/// Micro-batches of the trajectories `idx`, in order. Rows of one group share their prompt:
+/// it runs once per micro-batch (nothing before the first assistant token is trained on).
+fn micro_batches(
+    seqs: &[&[u32]],
+    masks: &[Vec<bool>],
+    idx: &[usize],
+    micro: usize,
+    pad: u32,
+) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
     idx.chunks(micro.max(1))
-        .map(|c| Ok((c.to_vec(), TokenBatch::new(&c.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?)))
+        .map(|c| {
+            let first_trained = c.iter().map(|&i| masks[i].iter().position(|&m| m).unwrap_or(0)).min().unwrap_or(0);
+            let tb = TokenBatch::new(&c.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
+            Ok((c.to_vec(), tb.share_prefix(first_trained)))
+        })
         .collect()
 }
 
@@ -110,7 +122,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let mut old_lp = vec![Vec::new(); n];
     let mut ref_lp = vec![Vec::new(); n];
     let mut old_v = vec![Vec::new(); n];
-    for (ids, tb) in micro_batches(&seqs, &all, so.micro_batch_size, pad)? {
+    for (ids, tb) in micro_batches(&seqs, &masks, &all, so.micro_batch_size, pad)? {
         let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
         for (k, &i) in ids.iter().enumerate() {
             old_lp[i] = lp[k].clone();
@@ -128,7 +140,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 old_v[i] = v[k].clone();
             }
         }
-        stats.tokens += tb.rows * tb.len;
+        stats.tokens += tb.tokens_computed() + if m.critic.is_some() { tb.rows * tb.len } else { 0 };
     }
 
     // 4. Advantages (and returns for the critic).
@@ -186,7 +198,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             let mut vloss = 0.0;
             if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
                 let mut grads = None;
-                for (ids, tb) in micro_batches(&seqs, mb, so.micro_batch_size, pad)? {
+                for (ids, tb) in micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)? {
                     let t = tb.len;
                     let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                     let (ov, rt, mk) = (pick(&old_v), pick(&ret), pick(&mask_f));
@@ -210,7 +222,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             // Actor.
             let mut grads = None;
             let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
-            for (ids, tb) in micro_batches(&seqs, mb, so.micro_batch_size, pad)? {
+            for (ids, tb) in micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)? {
                 let t = tb.len;
                 let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                 let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
@@ -243,7 +255,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     Ok((loss * w)?)
                 })?;
                 accumulate_grads(&mut grads, g, &m.actor_opt.vars())?;
-                stats.tokens += tb.rows * t;
+                stats.tokens += tb.tokens_computed();
             }
             let norm = match grads {
                 Some(g) => m.actor_opt.step(&g, so.grad_clip)?,
