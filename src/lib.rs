@@ -9,12 +9,14 @@
 //! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the trainer loop.
 //! - [`metrics`]: the run log, Echo-Trap diagnostics, plots.
 //! - [`view`]: the static rollout viewer.
+//! - [`phase`]: per-thread clocks of a training step's phases.
 #[macro_use]
 mod macros;
 
 pub mod agent;
 pub mod cli;
 pub mod metrics;
+pub mod phase;
 pub mod policy;
 pub mod rng;
 pub mod script;

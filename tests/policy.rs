@@ -418,3 +418,102 @@ fn model_chat_streams_a_reply_and_info_describes_the_model() {
 fn chat_plain(p: &Policy, user: &str) -> Vec<u32> {
     p.chat_tokens(&[Message::user(user)], true).unwrap().ids
 }
+
+/// A group's trajectories: one prompt, different replies (as a rollout packs them).
+fn group(p: &Policy) -> (Vec<Vec<u32>>, usize) {
+    let prompt = chat(p, "Dragon or Phoenix? Answer in <answer></answer>.");
+    let replies = ["<answer>Dragon</answer>", "<answer>Phoenix</answer>", "Dragon", "<answer>Up || Down</answer> ok"];
+    let seqs = replies.iter().map(|r| [prompt.clone(), p.encode(r).unwrap()].concat()).collect();
+    (seqs, prompt.len())
+}
+
+#[test]
+fn a_shared_prefix_runs_once_and_scores_and_gradients_are_unchanged() {
+    for name in PRESETS {
+        let p = load(name);
+        let (seqs, first_reply) = group(&p);
+        let plain = TokenBatch::new(&seqs, p.pad_id).unwrap();
+        let shared = plain.clone().share_prefix(first_reply);
+        assert_eq!(shared.prefix, first_reply - 1, "{name}: all but the prompt's last token run once");
+        assert!(shared.tokens_computed() < plain.tokens_computed() / 2);
+        // Scores of every reply position are those of the unshared batch.
+        let (a, b) = (p.token_logprobs_no_grad(&plain).unwrap(), p.token_logprobs_no_grad(&shared).unwrap());
+        let keep = |t: &Tensor| t.narrow(1, first_reply, plain.len - first_reply).unwrap();
+        let d = max_abs_diff(&keep(&a.logprobs), &keep(&b.logprobs))
+            .max(max_abs_diff(&keep(&a.entropy), &keep(&b.entropy)));
+        assert!(d < 1e-5, "{name}: shared-prefix scores differ by {d}");
+        let before = b.logprobs.narrow(1, 0, first_reply).unwrap();
+        assert_eq!(
+            before.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(),
+            0.0,
+            "the prompt is not scored"
+        );
+        // A PPO-like loss on the replies only: gradients equal the unshared computation's.
+        let lens: Vec<usize> = seqs.iter().map(Vec::len).collect();
+        let mask: Vec<f32> = (0..plain.rows)
+            .flat_map(|r| (0..plain.len).map(|t| (t >= first_reply && t < lens[r]) as u8 as f32).collect::<Vec<_>>())
+            .collect();
+        let mask = Tensor::from_vec(mask, (plain.rows, plain.len), &Device::Cpu).unwrap();
+        let loss = |s: &ragen_lab::policy::Scored| -> anyhow::Result<Tensor> {
+            Ok(((s.logprobs.exp()? * &mask)?.sum_all()? + ((&s.entropy * &mask)?.sum_all()? * 0.1)?)?)
+        };
+        let (va, ga) = p.loss_and_grads(&plain, loss).unwrap();
+        let (vb, gb) = p.loss_and_grads(&shared, loss).unwrap();
+        assert!((va - vb).abs() < 1e-4, "{name}: loss {va} vs {vb}");
+        for (n, v) in p.model.named_vars() {
+            let d = max_abs_diff(ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
+            assert!(d < 1e-5, "{name} {n}: shared-prefix gradient differs by {d}");
+        }
+        // The critic's values on the replies, too.
+        let critic = Critic::from_policy(&p, 3).unwrap();
+        let (va, vb) = (critic.values(&plain).unwrap(), critic.values(&shared).unwrap());
+        let from = |t: &Tensor| t.narrow(1, first_reply - 1, plain.len - first_reply + 1).unwrap();
+        assert!(max_abs_diff(&from(&va), &from(&vb)) < 1e-5, "{name}: critic values differ");
+    }
+}
+
+#[test]
+fn share_prefix_keeps_what_the_caller_scores_and_declines_when_nothing_is_shared() {
+    let p = load("tiny-llama");
+    let (seqs, first_reply) = group(&p);
+    let b = TokenBatch::new(&seqs, p.pad_id).unwrap();
+    // Scoring from position 3 on: at most 2 tokens could run once, below the minimum.
+    assert_eq!(b.clone().share_prefix(3).prefix, 0);
+    assert_eq!(
+        b.clone().share_prefix(first_reply + 100).prefix,
+        first_reply - 1 + common_reply_prefix(&seqs, first_reply)
+    );
+    let one = TokenBatch::new(&seqs[..1], p.pad_id).unwrap().share_prefix(first_reply);
+    assert_eq!(one.prefix, 0, "a single row shares nothing");
+    for micro in b.clone().share_prefix(first_reply).split(2) {
+        assert_eq!(micro.prefix, first_reply - 1, "micro-batches keep the shared prefix");
+    }
+}
+
+/// Tokens the replies have in common right after the prompt (all start alike or not).
+fn common_reply_prefix(seqs: &[Vec<u32>], from: usize) -> usize {
+    (from..).take_while(|&t| seqs.iter().all(|s| t < s.len() && s[t] == seqs[0][t])).count()
+}
+
+#[test]
+fn prefilling_a_shared_prompt_once_generates_what_the_full_prefill_does() {
+    for name in PRESETS {
+        let p = load(name);
+        // Two groups of three episodes with one prompt each, plus an unrelated prompt.
+        let (a, b) = (chat(&p, "Dragon or Phoenix?"), chat(&p, "Go Left or Right, then Down?"));
+        let prompts = vec![a.clone(), a.clone(), a, b.clone(), b.clone(), b, vec![1, 2, 3]];
+        for temperature in [0.0, 1.0] {
+            let cfg = GenerationConfig { max_new_tokens: 8, temperature, ..Default::default() };
+            let shared = p.generate(&prompts, &cfg, &mut Rng::new(5)).unwrap();
+            let full = p
+                .generate(&prompts, &GenerationConfig { share_prefixes: false, ..cfg.clone() }, &mut Rng::new(5))
+                .unwrap();
+            for (i, (s, f)) in shared.iter().zip(&full).enumerate() {
+                assert_eq!(s.ids, f.ids, "{name} row {i} at temperature {temperature}");
+                for (x, y) in s.logprobs.iter().zip(&f.logprobs) {
+                    assert!((x - y).abs() < 1e-4, "{name} row {i}: log-prob {x} vs {y}");
+                }
+            }
+        }
+    }
+}

@@ -54,6 +54,19 @@ impl Packed {
     }
 }
 
+/// Token positions that differ across `seqs`: the size of the prefix tree they make (what a
+/// model must compute at least once to score them all).
+pub fn distinct_positions(seqs: &[&[u32]]) -> usize {
+    let mut sorted = seqs.to_vec();
+    sorted.sort();
+    let mut total = 0;
+    for (i, s) in sorted.iter().enumerate() {
+        let shared = if i == 0 { 0 } else { sorted[i - 1].iter().zip(*s).take_while(|(a, b)| a == b).count() };
+        total += s.len() - shared;
+    }
+    total
+}
+
 /// The last index of every run of `true`.
 fn run_ends(mask: &[bool]) -> Vec<usize> {
     (0..mask.len()).filter(|&t| mask[t] && (t + 1 == mask.len() || !mask[t + 1])).collect()
@@ -73,6 +86,14 @@ mod tests {
         assert_eq!(p.turn_ends, vec![3, 6]);
         assert_eq!(p.score_rewards(0.4), vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0]);
         assert_eq!(p.assistant_tokens(), 3);
+    }
+
+    #[test]
+    fn distinct_positions_count_a_shared_prefix_once() {
+        let (a, b, c) = ([1, 2, 3, 4], [1, 2, 5], [9]);
+        assert_eq!(distinct_positions(&[&a, &b, &c]), 2 + 2 + 1 + 1);
+        assert_eq!(distinct_positions(&[&a, &a]), 4);
+        assert_eq!(distinct_positions(&[]), 0);
     }
 
     #[test]

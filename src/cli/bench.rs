@@ -1,5 +1,6 @@
 //! `ragen-lab bench`: speed measurements. `bench envs` plays random episodes of each env
-//! script through the real host and prints resets/s and steps/s.
+//! script through the real host and prints resets/s and steps/s; `bench policy` and
+//! `bench step` live with what they measure (policy/bench.rs, starpo/bench.rs).
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,9 @@ pub enum What {
     /// A policy's generation tokens/s (batch 1, 8, 32) and training tokens/s (8 x 256), with
     /// ratios against PyTorch from `--compare` (tools/bench_pytorch.py).
     Policy(crate::policy::bench::PolicyArgs),
+    /// Real StarPO steps of an experiment, timed by phase (prefill, decode, env, old log-probs,
+    /// forward, backward, optimiser), with tokens computed vs unique and the peak RSS.
+    Step(crate::starpo::bench::StepArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -91,6 +95,7 @@ fn env_scripts(dir: &Path) -> Result<Vec<PathBuf>> {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Policy(a) => crate::policy::bench::run_cli(a),
+        What::Step(a) => crate::starpo::bench::run_cli(a),
         What::Envs(a) => {
             let scripts = if a.scripts.is_empty() { env_scripts(Path::new("envs"))? } else { a.scripts };
             if scripts.is_empty() {

@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor, Var};
 use serde_json::json;
 
 use super::config::Config;
-use super::logprob::TokenBatch;
+use super::logprob::{own_hidden, TokenBatch};
 use super::model::{normal, Decoder, Mode};
 use super::Policy;
 use crate::rng::Rng;
@@ -45,15 +45,33 @@ impl Critic {
     }
 
     /// Values at every position, `[B, T]` (position t: the state after `ids[..=t]`); 0 past a
-    /// row's length. Differentiable.
+    /// row's length and, for a batch that shares a prefix, before its last shared token.
+    /// Differentiable.
     pub fn values(&self, batch: &TokenBatch) -> Result<Tensor> {
+        self.values_in(batch, Mode::Train)
+    }
+
+    /// `values` without a graph (the values the advantages use).
+    pub fn values_no_grad(&self, batch: &TokenBatch) -> Result<Tensor> {
+        self.values_in(batch, Mode::Score)
+    }
+
+    fn values_in(&self, batch: &TokenBatch, mode: Mode) -> Result<Tensor> {
         let dev = self.backbone.device();
-        let (b, t) = (batch.rows, batch.len);
-        let hidden = self.backbone.hidden(&batch.ids_tensor(dev)?, &vec![0; b], None, Mode::Train)?;
+        let (b, t, p) = (batch.rows, batch.len, batch.prefix);
+        let (hidden, _) = own_hidden(&self.backbone, batch, mode)?; // [B, T - p, H]
         let h = hidden.dim(2)?;
-        let v = hidden.reshape((b * t, h))?.matmul(&self.score_weight.as_tensor().t()?)?;
-        let v = v.broadcast_add(self.score_bias.as_tensor())?.reshape((b, t))?;
-        let valid: Vec<f32> = (0..b).flat_map(|r| (0..t).map(move |i| (i < batch.lengths[r]) as u8 as f32)).collect();
+        let (w, bias) = match mode {
+            Mode::Train => (self.score_weight.as_tensor().clone(), self.score_bias.as_tensor().clone()),
+            _ => (self.score_weight.as_tensor().detach(), self.score_bias.as_tensor().detach()),
+        };
+        let v = hidden.reshape((b * (t - p), h))?.matmul(&w.t()?)?;
+        let mut v = v.broadcast_add(&bias)?.reshape((b, t - p))?;
+        if p > 0 {
+            v = Tensor::cat(&[&Tensor::zeros((b, p), v.dtype(), dev)?, &v], 1)?;
+        }
+        let valid: Vec<f32> =
+            (0..b).flat_map(|r| (0..t).map(move |i| (i >= p && i < batch.lengths[r]) as u8 as f32)).collect();
         Ok((v * Tensor::from_vec(valid, (b, t), dev)?)?)
     }
 

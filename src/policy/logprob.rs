@@ -20,6 +20,7 @@ use candle_core::{Device, Tensor, Var, D};
 
 use super::model::Mode;
 use super::Policy;
+use crate::phase::{self, Phase};
 use crate::policy::model::Decoder;
 
 /// Shared prefixes shorter than this run with every row (nothing worth saving).
@@ -83,8 +84,9 @@ impl TokenBatch {
     /// The rows' tokens after the shared prefix, `[B, len - prefix]`.
     fn own_ids_tensor(&self, dev: &Device) -> Result<Tensor> {
         let n = self.len - self.prefix;
-        let ids: Vec<u32> =
-            (0..self.rows).flat_map(|r| self.ids[r * self.len + self.prefix..(r + 1) * self.len].iter().copied()).collect();
+        let ids: Vec<u32> = (0..self.rows)
+            .flat_map(|r| self.ids[r * self.len + self.prefix..(r + 1) * self.len].iter().copied())
+            .collect();
         Ok(Tensor::from_vec(ids, (self.rows, n), dev)?)
     }
 
@@ -140,6 +142,19 @@ pub fn accumulate_grads(acc: &mut Option<GradStore>, mut grads: GradStore, vars:
     Ok(())
 }
 
+/// The final hidden states of each row's own tokens (those after the shared prefix, which runs
+/// once) and those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
+pub(crate) fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
+    let ids = batch.own_ids_tensor(model.device())?;
+    let hidden = if batch.prefix == 0 {
+        model.hidden(&ids, &vec![0; batch.rows], None, mode)?
+    } else {
+        let prefix = model.prefix(&batch.ids[..batch.prefix], mode)?;
+        model.hidden_after(&prefix, &ids, mode)?
+    };
+    Ok((hidden, ids))
+}
+
 impl Policy {
     /// Differentiable per-token log-probs and entropies (training path).
     pub fn token_logprobs(&self, batch: &TokenBatch) -> Result<Scored> {
@@ -157,7 +172,7 @@ impl Policy {
             return Ok(Scored { logprobs: mask.zeros_like()?, entropy: mask.zeros_like()? });
         }
         let mode = if detach { Mode::Score } else { Mode::Train };
-        let (hidden, ids) = self.own_hidden(batch, mode)?;
+        let (hidden, ids) = own_hidden(&self.model, batch, mode)?;
         let (mut lps, mut ents) = (vec![], vec![]);
         for (s, c) in self.chunks(batch) {
             let (lp, ent) = self.chunk_scores(&hidden, &ids, s, c, !detach)?;
@@ -167,23 +182,14 @@ impl Policy {
         self.assemble(batch, &mask, lps, ents)
     }
 
-    /// The final hidden states of each row's own tokens (those after the shared prefix) and
-    /// those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
-    fn own_hidden(&self, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
-        let dev = self.device();
-        let model: &Decoder = &self.model;
-        let ids = batch.own_ids_tensor(dev)?;
-        let hidden = if batch.prefix == 0 {
-            model.hidden(&ids, &vec![0; batch.rows], None, mode)?
-        } else {
-            let prefix = model.prefix(&batch.ids[..batch.prefix], mode)?;
-            model.hidden_after(&prefix, &ids, mode)?
-        };
-        Ok((hidden, ids))
-    }
-
     /// Chunk scores (over the own tokens' predicting positions) laid out as `[B, len]`.
-    fn assemble(&self, batch: &TokenBatch, mask: &Tensor, mut lps: Vec<Tensor>, mut ents: Vec<Tensor>) -> Result<Scored> {
+    fn assemble(
+        &self,
+        batch: &TokenBatch,
+        mask: &Tensor,
+        mut lps: Vec<Tensor>,
+        mut ents: Vec<Tensor>,
+    ) -> Result<Scored> {
         // Positions up to the prefix's last token predict nothing here.
         let first = mask.narrow(1, 0, batch.prefix + 1)?.zeros_like()?;
         lps.insert(0, first.clone());
@@ -222,8 +228,10 @@ impl Policy {
         batch: &TokenBatch,
         loss: impl FnOnce(&Scored) -> Result<Tensor>,
     ) -> Result<(f32, GradStore)> {
+        let forward_start = std::time::Instant::now();
+        phase::add_tokens(batch.tokens_computed());
         let mask = batch.score_mask(self.device())?;
-        let (hidden, ids) = self.own_hidden(batch, Mode::Train)?; // [B, S, H], graph to every weight
+        let (hidden, ids) = own_hidden(&self.model, batch, Mode::Train)?; // [B, S, H], graph to every weight
         let h_leaf = Var::from_tensor(&hidden.detach())?;
         // 1. Scores without a graph, as leaves the loss can be differentiated against.
         let (mut lps, mut ents) = (vec![], vec![]);
@@ -237,6 +245,8 @@ impl Policy {
         let ent_leaf = Var::from_tensor(&scored.entropy)?;
         let l = loss(&Scored { logprobs: lp_leaf.as_tensor().clone(), entropy: ent_leaf.as_tensor().clone() })?;
         let value = l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        phase::add_seconds(Phase::Forward, forward_start.elapsed().as_secs_f64());
+        let backward_start = std::time::Instant::now();
         let g = l.backward()?;
         let zeros = mask.zeros_like()?;
         let g_lp = (g.get(lp_leaf.as_tensor()).unwrap_or(&zeros) * &mask)?;
@@ -272,6 +282,7 @@ impl Policy {
             };
             grads.insert(head.as_tensor(), total);
         }
+        phase::add_seconds(Phase::Backward, backward_start.elapsed().as_secs_f64());
         Ok((value, grads))
     }
 }

@@ -6,6 +6,7 @@
 //! - [`load`]: HF folders and GGUF files in, HF folders (and GGUF for the presets) out.
 //! - [`tokenizer`], [`chat`]: byte-level BPE, chat templates with the assistant loss mask.
 //! - [`sample`]: batched generation; [`logprob`]: differentiable scoring; [`critic`]: PPO's value model.
+//! - [`kernels`]: fused CPU ops with their own backward (masked causal softmax).
 //! - [`preset`]: tiny random models of both families for tests; [`resolve`]: model specs → files.
 //!
 //! [`Policy`] ties them together; its methods are the interface the agent and the trainer use
@@ -21,6 +22,7 @@ pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod critic;
+pub mod kernels;
 pub mod load;
 pub mod logprob;
 pub mod model;

@@ -2,9 +2,9 @@
 //! SwiGLU; Qwen2 adds a Q/K/V bias), weights as candle `Var`s under their Hugging Face names.
 //!
 //! One forward pass serves three modes over the same weights:
-//! - `Mode::Train`: differentiable ops only (`rms_norm_slow`, a composite RoPE, `ops::softmax`),
-//!   so every weight receives a gradient. candle's fused ops silently cut the graph
-//!   (shared/notes/candle-cpu.md §1).
+//! - `Mode::Train`: differentiable ops only (`rms_norm_slow`, a composite RoPE, and on the CPU
+//!   our masked causal softmax with its own backward, `kernels`), so every weight receives a
+//!   gradient. candle's fused ops silently cut the graph (shared/notes/candle-cpu.md §1).
 //! - `Mode::Score`: Train's ops on detached weights: bit-identical values, no graph, so every
 //!   intermediate is freed as soon as the next op has read it (old and reference log-probs).
 //! - `Mode::Sample`: fused no-grad kernels on detached weights and a pre-allocated `KvCache`.
@@ -20,6 +20,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::Config;
+use super::kernels;
 use crate::rng::Rng;
 
 /// Which ops the forward pass uses and whether it records a graph (see the module doc).
@@ -396,7 +397,8 @@ impl Decoder {
         let kv_len = offset + t;
         let dev = self.device();
         let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
-        let mask = attention_mask(b, t, offset, starts, dev)?;
+        // On the CPU the mask is applied inside the fused softmax; elsewhere it is a tensor.
+        let mask = if dev.is_cpu() { None } else { Some(attention_mask(b, t, offset, starts, dev)?) };
         let h = self.cfg.hidden_size;
         let eps = self.cfg.rms_norm_eps;
         let mut x = mode.weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?; // [B*T, H]
@@ -407,7 +409,17 @@ impl Decoder {
                 Past::Prefix(p) => LayerPast::Prefix(&p.layers[l]),
             };
             let normed = rms_norm(&x, &layer.input_layernorm, eps, mode)?;
-            let attn = self.attention(layer, &normed, b, t, kv_len, &cos, &sin, &mask, kv, record.as_deref_mut(), mode)?;
+            let attn = self.attention(
+                layer,
+                &normed,
+                (b, t, kv_len),
+                starts,
+                (&cos, &sin),
+                mask.as_ref(),
+                kv,
+                record.as_deref_mut(),
+                mode,
+            )?;
             x = (x + attn)?;
             let normed = rms_norm(&x, &layer.post_attention_layernorm, eps, mode)?;
             let gate = layer.gate_proj.forward(&normed, mode)?.silu()?;
@@ -448,17 +460,17 @@ impl Decoder {
         Ok((Tensor::from_vec(cos, (b, t, half), dev)?, Tensor::from_vec(sin, (b, t, half), dev)?))
     }
 
+    /// # Shapes
+    /// x: [B*T, H] → [B*T, H]; `dims` = (B, T, keys: cached or prefix positions + T)
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         layer: &Layer,
         x: &Tensor,
-        b: usize,
-        t: usize,
-        kv_len: usize,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: &Tensor,
+        (b, t, kv_len): (usize, usize, usize),
+        starts: &[usize],
+        (cos, sin): (&Tensor, &Tensor),
+        mask: Option<&Tensor>,
         past: LayerPast<'_>,
         record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
@@ -494,10 +506,18 @@ impl Decoder {
         // Scaling q rather than the scores saves one [T, L] tensor per layer (and its gradient).
         let q = (q.reshape((b, nkv, group * t, hd))? * (1.0 / (hd as f64).sqrt()))?;
         let scores = q.matmul(&k.t()?)?; // [B, nkv, g*T, L]
-        let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
-        let probs = match mode {
-            Mode::Train | Mode::Score => candle_nn::ops::softmax(&scores, D::Minus1)?,
-            Mode::Sample => candle_nn::ops::softmax_last_dim(&scores)?,
+        let probs = match mask {
+            None => {
+                let scores = scores.reshape((b, nkv * group, t, kv_len))?;
+                kernels::causal_softmax(&scores, kv_len - t, starts, mode == Mode::Train)?
+            }
+            Some(mask) => {
+                let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
+                match mode {
+                    Mode::Train | Mode::Score => candle_nn::ops::softmax(&scores, D::Minus1)?,
+                    Mode::Sample => candle_nn::ops::softmax_last_dim(&scores)?,
+                }
+            }
         };
         let out = probs.reshape((b, nkv, group * t, kv_len))?.matmul(&v)?; // [B, nkv, g*T, hd]
         let out = out.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b * t, nh * hd))?;
@@ -512,7 +532,7 @@ enum LayerPast<'a> {
     Prefix(&'a (Tensor, Tensor)),
 }
 
-/// Additive mask `[B, 1, 1, T, L]`: query j of row b (cache index offset+j) sees key s when
+/// Additive mask `[B, 1, 1, T, L]` (devices without the fused kernel): query j of row b (cache index offset+j) sees key s when
 /// s ≤ offset+j and s is not padding. A padding query still sees itself, so no softmax row is empty.
 fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<Tensor> {
     let kv_len = offset + t;

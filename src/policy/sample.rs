@@ -10,6 +10,7 @@ use candle_core::Tensor;
 
 use super::model::{KvCache, Mode};
 use super::Policy;
+use crate::phase::{self, Phase};
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -30,14 +31,7 @@ pub struct GenerationConfig {
 
 impl Default for GenerationConfig {
     fn default() -> Self {
-        Self {
-            max_new_tokens: 256,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            stop_strings: vec![],
-            share_prefixes: true,
-        }
+        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: 0, stop_strings: vec![], share_prefixes: true }
     }
 }
 
@@ -159,7 +153,7 @@ impl Policy {
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let starts: Vec<usize> = prompts.iter().map(|x| p - x.len()).collect();
         let dev = self.device();
-        let (mut cache, mut last) = self.prefill(prompts, &starts, cfg)?;
+        let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, cfg))?;
         let mut out: Vec<Generation> = (0..b)
             .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
             .collect();
@@ -168,6 +162,7 @@ impl Policy {
         // once they are a quarter of it, so long stragglers do not drag the whole batch along.
         let mut active: Vec<usize> = (0..b).collect();
         let mut active_starts = starts.clone();
+        let decode_start = std::time::Instant::now();
         for step in 0..cfg.max_new_tokens {
             let logits = self.model.logits_no_grad(&last)?.to_vec2::<f32>()?;
             let mut next = vec![self.pad_id; active.len()];
@@ -205,7 +200,9 @@ impl Policy {
             }
             let ids = Tensor::from_vec(next, (active.len(), 1), dev)?;
             last = self.model.hidden(&ids, &active_starts, Some(&mut cache), Mode::Sample)?.squeeze(1)?;
+            phase::add_tokens(active.len());
         }
+        phase::add_seconds(Phase::Decode, decode_start.elapsed().as_secs_f64());
         for g in &mut out {
             g.text = self.decode(&g.ids)?;
             if g.finish == Finish::Stop {
@@ -252,6 +249,7 @@ impl Policy {
             cache.set_len(p - own);
             let ids = Tensor::from_vec(flat, (rows, own), dev)?;
             let hidden = self.model.hidden(&ids, &starts[c.rows.clone()], Some(&mut cache), Mode::Sample)?;
+            phase::add_tokens(c.prefix + rows * own);
             lasts.push(hidden.narrow(1, own - 1, 1)?.squeeze(1)?); // [rows, H]
             caches.push(cache);
         }

@@ -3,6 +3,7 @@
 //!
 //! Read `trainer.rs` top to bottom for the algorithm; the math lives in small pure modules.
 pub mod advantage;
+pub mod bench;
 pub mod filter;
 pub mod loss;
 pub mod normalize;

@@ -29,10 +29,12 @@ use super::optim::AdamW;
 use super::rundir::{now, peak_rss_mb, RunDir};
 use super::settings::{Algo, FilterKind, Preset, Settings};
 use super::update::{update, Item, Models, UpdateStats};
+use crate::agent::pack::distinct_positions;
 use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
 use crate::metrics::collapse::template_collapse;
 use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor, MutualInfo};
 use crate::metrics::tensorboard::TbWriter;
+use crate::phase::{self, Phase};
 use crate::policy::{Critic, Policy};
 use crate::rng::Rng;
 use crate::script::{Experiment, ExperimentScripts, Host, Limits, Loaded, Role, Update, WatchMode, Watcher};
@@ -221,7 +223,8 @@ pub fn train(opts: Options) -> Result<Summary> {
             break;
         }
         let t_step = Instant::now();
-        // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
+        phase::take(); // what ran between steps (validation, checkpoints) is not this step's
+                       // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
         for update in watcher.poll() {
             match update {
                 Update::Swapped { path, loaded, .. } => {
@@ -308,7 +311,16 @@ pub fn train(opts: Options) -> Result<Summary> {
         put(&mut line, "time/rollout_s", rollout_s);
         put(&mut line, "time/update_s", update_s);
         put(&mut line, "time/step_s", t_step.elapsed().as_secs_f64());
+        let clocks = phase::take();
+        for p in Phase::ALL {
+            put(&mut line, &format!("time/{}_s", p.name()), clocks.get(p));
+        }
+        // The rest of the rollout: env and reward scripts, prompt rendering, tokenising.
+        put(&mut line, "time/env_s", rollout_s - clocks.get(Phase::Prefill) - clocks.get(Phase::Decode));
         put(&mut line, "perf/tokens", (rollout_tokens + stats.tokens) as f64);
+        put(&mut line, "perf/tokens_computed", clocks.tokens as f64);
+        let packed: Vec<&[u32]> = trajs.iter().map(|t| t.packed.ids.as_slice()).collect();
+        put(&mut line, "perf/tokens_unique", distinct_positions(&packed) as f64);
         // Rough: 2·N per token forward (rollout), 6·N per token forward + backward (update).
         put(&mut line, "perf/flops", 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
         if let Some(mb) = peak_rss_mb() {

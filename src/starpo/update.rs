@@ -6,6 +6,8 @@
 //!   5. for each epoch and mini-batch: the critic step, then the actor step (clipped surrogate,
 //!      entropy bonus, KL loss), gradients summed over micro-batches, grad-norm clip, AdamW.
 //! Reported losses are means over all mini-batches (not the last one's, CleanRL's habit).
+use std::time::Instant;
+
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 
@@ -14,6 +16,7 @@ use super::loss::{clipped_surrogate, kl, seq_mean_token_mean, value_loss};
 use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings};
 use crate::agent::pack::Packed;
+use crate::phase::{self, Phase};
 use crate::policy::logprob::accumulate_grads;
 use crate::policy::{Critic, Policy, TokenBatch};
 use crate::rng::Rng;
@@ -84,8 +87,10 @@ fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
-/// Micro-batches of the trajectories `idx`, in order. Rows of one group share their prompt:
-/// it runs once per micro-batch (nothing before the first assistant token is trained on).
+/// Micro-batches of the trajectories `idx`, in order, each within the memory of `micro`
+/// unshared rows of the longest trajectory. Rows of one group share their prompt, which runs
+/// once per micro-batch (nothing before the first assistant token is trained on), so a
+/// micro-batch holds as many rows as fit: a whole group when the prompt dominates.
 fn micro_batches(
     seqs: &[&[u32]],
     masks: &[Vec<bool>],
@@ -93,13 +98,31 @@ fn micro_batches(
     micro: usize,
     pad: u32,
 ) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
-    idx.chunks(micro.max(1))
-        .map(|c| {
-            let first_trained = c.iter().map(|&i| masks[i].iter().position(|&m| m).unwrap_or(0)).min().unwrap_or(0);
-            let tb = TokenBatch::new(&c.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
-            Ok((c.to_vec(), tb.share_prefix(first_trained)))
-        })
-        .collect()
+    let batch = |rows: &[usize]| -> Result<TokenBatch> {
+        let first_trained = rows.iter().map(|&i| masks[i].iter().position(|&m| m).unwrap_or(0)).min().unwrap_or(0);
+        let tb = TokenBatch::new(&rows.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
+        Ok(tb.share_prefix(first_trained))
+    };
+    let budget = micro.max(1) * idx.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
+    let mut out = Vec::new();
+    let mut rows: Vec<usize> = Vec::new();
+    let mut current: Option<TokenBatch> = None;
+    for &i in idx {
+        rows.push(i);
+        let candidate = batch(&rows)?;
+        if rows.len() > 1 && candidate.tokens_computed() > budget {
+            rows.pop();
+            out.push((std::mem::take(&mut rows), current.take().expect("a batch of the rows so far")));
+            rows.push(i);
+            current = Some(batch(&rows)?);
+        } else {
+            current = Some(candidate);
+        }
+    }
+    if let Some(tb) = current {
+        out.push((rows, tb));
+    }
+    Ok(out)
 }
 
 /// One update. `rng` shuffles nothing at RAGEN's defaults (veRL `shuffle: False`); it orders
@@ -118,30 +141,44 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let all: Vec<usize> = (0..n).collect();
     let pad = policy.pad_id;
 
-    // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph.
+    // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph. When the
+    // update is a single optimiser step, the policy has not moved before it: the old log-probs
+    // are the step's own forward pass, detached (bit-identical: Score and Train run the same
+    // ops), and the no-grad pass is skipped.
+    let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
+    let single_step = so.epochs == 1 && mb_size >= n;
     let mut old_lp = vec![Vec::new(); n];
     let mut ref_lp = vec![Vec::new(); n];
     let mut old_v = vec![Vec::new(); n];
+    let old_start = Instant::now();
     for (ids, tb) in micro_batches(&seqs, &masks, &all, so.micro_batch_size, pad)? {
-        let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
-        for (k, &i) in ids.iter().enumerate() {
-            old_lp[i] = lp[k].clone();
+        let mut tokens = 0;
+        if !single_step {
+            let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
+            for (k, &i) in ids.iter().enumerate() {
+                old_lp[i] = lp[k].clone();
+            }
+            tokens += tb.tokens_computed();
         }
         if let (Some(r), true) = (m.reference, sp.kl_coef > 0.0) {
             let lp = per_seq(&r.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
             for (k, &i) in ids.iter().enumerate() {
                 ref_lp[i] = lp[k].clone();
             }
+            tokens += tb.tokens_computed();
         }
         // 3. Critic values.
         if let Some(c) = m.critic {
-            let v = per_seq(&align_values(&c.values(&tb)?.detach())?, &tb.lengths)?;
+            let v = per_seq(&align_values(&c.values_no_grad(&tb)?)?, &tb.lengths)?;
             for (k, &i) in ids.iter().enumerate() {
                 old_v[i] = v[k].clone();
             }
+            tokens += tb.tokens_computed();
         }
-        stats.tokens += tb.tokens_computed() + if m.critic.is_some() { tb.rows * tb.len } else { 0 };
+        phase::add_tokens(tokens);
+        stats.tokens += tokens;
     }
+    phase::add_seconds(Phase::OldLogprobs, old_start.elapsed().as_secs_f64());
 
     // 4. Advantages (and returns for the critic).
     let mut adv = Vec::with_capacity(n);
@@ -183,7 +220,6 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
         .collect();
 
     // 5. Epochs × mini-batches: critic step, then actor step.
-    let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
     let mask_f: Vec<Vec<f32>> = masks.iter().map(|m| m.iter().map(|&x| x as u8 as f32).collect()).collect();
     let (mut sums, mut count) = ([0.0f64; 7], 0usize);
     let mut kl_sum = 0.0;
@@ -202,21 +238,24 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     let t = tb.len;
                     let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                     let (ov, rt, mk) = (pick(&old_v), pick(&ret), pick(&mask_f));
-                    let values = align_values(&c.values(&tb)?)?;
-                    let l = value_loss(
-                        &values,
-                        &rows_tensor(&ov, t, &dev)?,
-                        &rows_tensor(&rt, t, &dev)?,
-                        &rows_tensor(&mk, t, &dev)?,
-                        sp.value_clip,
-                    )?;
-                    let scaled = (l.clone() * weight(tb.rows))?;
+                    let scaled = phase::timed(Phase::Forward, || -> Result<Tensor> {
+                        let values = align_values(&c.values(&tb)?)?;
+                        let l = value_loss(
+                            &values,
+                            &rows_tensor(&ov, t, &dev)?,
+                            &rows_tensor(&rt, t, &dev)?,
+                            &rows_tensor(&mk, t, &dev)?,
+                            sp.value_clip,
+                        )?;
+                        Ok((l * weight(tb.rows))?)
+                    })?;
                     vloss += scaled.to_scalar::<f32>()? as f64;
-                    accumulate_grads(&mut grads, scaled.backward()?, &opt.vars())?;
-                    stats.tokens += tb.rows * t;
+                    phase::timed(Phase::Backward, || accumulate_grads(&mut grads, scaled.backward()?, &opt.vars()))?;
+                    phase::add_tokens(tb.tokens_computed());
+                    stats.tokens += tb.tokens_computed();
                 }
                 if let Some(g) = grads {
-                    opt.step(&g, so.grad_clip)?;
+                    phase::timed(Phase::Optimizer, || opt.step(&g, so.grad_clip))?;
                 }
             }
             // Actor.
@@ -227,7 +266,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                 let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
                 let mask = rows_tensor(&mk, t, &dev)?;
-                let old = rows_tensor(&olp, t, &dev)?;
+                let old = if single_step { None } else { Some(rows_tensor(&olp, t, &dev)?) };
                 let w = weight(tb.rows);
                 let ad = rows_tensor(&ad, t, &dev)?;
                 let rl = if m.reference.is_some() && sp.kl_coef > 0.0 {
@@ -237,6 +276,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 };
                 // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
                 let (_, g) = policy.loss_and_grads(&tb, |scored| {
+                    let old = old.unwrap_or_else(|| scored.logprobs.detach());
                     let (pg, clipped, _) =
                         clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
                     let pg_loss = seq_mean_token_mean(&pg, &mask)?;
@@ -254,11 +294,11 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
                     Ok((loss * w)?)
                 })?;
-                accumulate_grads(&mut grads, g, &m.actor_opt.vars())?;
+                phase::timed(Phase::Backward, || accumulate_grads(&mut grads, g, &m.actor_opt.vars()))?;
                 stats.tokens += tb.tokens_computed();
             }
             let norm = match grads {
-                Some(g) => m.actor_opt.step(&g, so.grad_clip)?,
+                Some(g) => phase::timed(Phase::Optimizer, || m.actor_opt.step(&g, so.grad_clip))?,
                 None => 0.0,
             };
             for k in 0..4 {

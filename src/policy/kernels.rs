@@ -1,0 +1,102 @@
+//! Fused CPU kernels with their own backward, for what candle only offers as a chain of
+//! small ops (each keeping a full-size tensor alive for backward) or as a fused op that
+//! silently cuts the graph (shared/notes/candle-cpu.md §1).
+//!
+//! - [`causal_softmax`]: the attention mask and the softmax in one pass over the scores; the
+//!   backward keeps only the probabilities.
+//!
+//! Each is tested against the composite ops for values and gradients (tests/kernels.rs).
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Softmax over the last axis of attention scores `[B, H, T, L]` (H any number of heads),
+/// restricted to the keys each query may see: query j of batch row b sits at cache position
+/// `offset + j` and sees key s when s ≤ offset + j and s is not padding (s ≥ `starts[b]`), and
+/// always itself. Hidden keys get probability 0. Differentiable when `grad`.
+pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bool) -> Result<Tensor> {
+    let op = CausalSoftmax { offset, starts: starts.to_vec() };
+    let scores = scores.contiguous()?;
+    if grad {
+        scores.apply_op1(op)
+    } else {
+        scores.apply_op1_no_bwd(&op)
+    }
+}
+
+struct CausalSoftmax {
+    offset: usize,
+    starts: Vec<usize>,
+}
+
+fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F32(x), Some((a, b))) => Ok(&x[a..b]),
+        _ => candle_core::bail!("{what}: expected a contiguous f32 tensor"),
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "causal-softmax"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, h, t, l) = layout.shape().dims4()?;
+        if self.starts.len() != b {
+            candle_core::bail!("causal-softmax: {} row starts for a batch of {b}", self.starts.len());
+        }
+        if self.offset + t > l {
+            candle_core::bail!(
+                "causal-softmax: {t} queries at offset {} need {} keys, got {l}",
+                self.offset,
+                self.offset + t
+            );
+        }
+        let x = f32_slice(storage, layout, "causal-softmax")?;
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(l).zip(x.par_chunks(l)).enumerate().for_each(|(r, (y, x))| {
+            let q = self.offset + r % t;
+            let start = self.starts[r / (h * t)].min(q);
+            // Keys start..=q are visible (padding before `start`; a padding query sees itself).
+            let seen = &x[start..=q];
+            let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for (o, &v) in y[start..=q].iter_mut().zip(seen) {
+                *o = (v - max).exp();
+                sum += *o;
+            }
+            let inv = 1.0 / sum;
+            y[start..=q].iter_mut().for_each(|o| *o *= inv);
+        });
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(res.apply_op2_no_bwd(&grad_res.contiguous()?, &SoftmaxGrad)?))
+    }
+}
+
+/// dx = y ⊙ (dy − Σ dy ⊙ y) over the last axis, from the softmax's output y and its gradient dy.
+struct SoftmaxGrad;
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "softmax-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let l = l1.shape().dims().last().copied().unwrap_or(1).max(1);
+        if l1.shape() != l2.shape() {
+            candle_core::bail!("softmax-grad: shapes {:?} and {:?} differ", l1.shape(), l2.shape());
+        }
+        let (y, dy) = (f32_slice(s1, l1, "softmax-grad")?, f32_slice(s2, l2, "softmax-grad")?);
+        let mut dx = vec![0f32; y.len()];
+        dx.par_chunks_mut(l).zip(y.par_chunks(l).zip(dy.par_chunks(l))).for_each(|(dx, (y, dy))| {
+            let dot: f32 = y.iter().zip(dy).map(|(a, b)| a * b).sum();
+            for ((o, &y), &dy) in dx.iter_mut().zip(y).zip(dy) {
+                *o = y * (dy - dot);
+            }
+        });
+        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
+}

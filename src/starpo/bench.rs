@@ -1,0 +1,228 @@
+//! `ragen-lab bench step`: real StarPO steps of an experiment, timed by phase. It runs the
+//! trainer itself (no validation, a scratch run directory) and reads back the per-step metric
+//! lines, so what it measures is what `train` does.
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::settings::{Algo, Preset};
+use super::trainer::{train, Options};
+use crate::phase::Phase;
+
+/// Time an experiment's training steps by phase.
+#[derive(clap::Args, Debug)]
+pub struct StepArgs {
+    /// The experiment script (scripts/*.rhai).
+    #[arg(long, value_name = "SCRIPT")]
+    pub env: PathBuf,
+    /// Steps to run; the first is a warm-up and the medians leave it out when there are more.
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// The model (default: the experiment's, else smollm2-135m).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Advantage estimator family (as `train --algo`).
+    #[arg(long, value_enum)]
+    pub algo: Option<Algo>,
+    /// Override a setting (as `train --set`).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// Write the per-step figures and the medians as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// One step's figures, from its metrics line.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct StepFigures {
+    pub step_s: f64,
+    pub rollout_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Env and reward scripts, prompt rendering and tokenising: the rollout less the model.
+    pub env_s: f64,
+    pub update_s: f64,
+    pub old_logprobs_s: f64,
+    pub forward_s: f64,
+    pub backward_s: f64,
+    pub optimizer_s: f64,
+    /// Token positions the model computed (rollout and update).
+    pub tokens_computed: f64,
+    /// Distinct token positions of the step's trajectories (their prefix tree).
+    pub tokens_unique: f64,
+    pub peak_rss_mb: f64,
+}
+
+impl StepFigures {
+    fn from_line(line: &Map<String, Value>) -> Self {
+        let get = |k: &str| line.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        let phase = |p: Phase| get(&format!("time/{}_s", p.name()));
+        Self {
+            step_s: get("time/step_s"),
+            rollout_s: get("time/rollout_s"),
+            prefill_s: phase(Phase::Prefill),
+            decode_s: phase(Phase::Decode),
+            env_s: get("time/env_s"),
+            update_s: get("time/update_s"),
+            old_logprobs_s: phase(Phase::OldLogprobs),
+            forward_s: phase(Phase::Forward),
+            backward_s: phase(Phase::Backward),
+            optimizer_s: phase(Phase::Optimizer),
+            tokens_computed: get("perf/tokens_computed"),
+            tokens_unique: get("perf/tokens_unique"),
+            peak_rss_mb: get("perf/peak_rss_mb"),
+        }
+    }
+
+    /// Field-wise median of `steps` (the upper middle for an even count).
+    fn median(steps: &[StepFigures]) -> Self {
+        let m = |f: fn(&StepFigures) -> f64| {
+            let mut v: Vec<f64> = steps.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        Self {
+            step_s: m(|s| s.step_s),
+            rollout_s: m(|s| s.rollout_s),
+            prefill_s: m(|s| s.prefill_s),
+            decode_s: m(|s| s.decode_s),
+            env_s: m(|s| s.env_s),
+            update_s: m(|s| s.update_s),
+            old_logprobs_s: m(|s| s.old_logprobs_s),
+            forward_s: m(|s| s.forward_s),
+            backward_s: m(|s| s.backward_s),
+            optimizer_s: m(|s| s.optimizer_s),
+            tokens_computed: m(|s| s.tokens_computed),
+            tokens_unique: m(|s| s.tokens_unique),
+            peak_rss_mb: steps.iter().map(|s| s.peak_rss_mb).fold(0.0, f64::max),
+        }
+    }
+
+    fn row(&self, label: &str) -> String {
+        format!(
+            "{label:>6} {:>7.2} | {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>8.0} {:>8.0} | {:>7.0}",
+            self.step_s,
+            self.rollout_s,
+            self.prefill_s,
+            self.decode_s,
+            self.env_s,
+            self.update_s,
+            self.old_logprobs_s,
+            self.forward_s,
+            self.backward_s,
+            self.optimizer_s,
+            self.tokens_computed,
+            self.tokens_unique,
+            self.peak_rss_mb
+        )
+    }
+}
+
+const HEADER: &str = "  step  step_s | rollout prefill  decode    env |  update  old_lp forward backwrd  optim | computed   unique | rss_MB";
+
+/// What `bench step` reports.
+#[derive(Debug, Serialize)]
+pub struct StepReport {
+    pub experiment: PathBuf,
+    pub threads: usize,
+    pub steps: Vec<StepFigures>,
+    /// Medians over the steps after the first (over all steps when there is one).
+    pub median: StepFigures,
+}
+
+/// Run the steps and collect their figures.
+pub fn measure(args: &StepArgs) -> Result<StepReport> {
+    if args.steps == 0 {
+        bail!("bench step: --steps must be at least 1");
+    }
+    let scratch = tempfile_dir()?;
+    let mut sets = args.sets.clone();
+    sets.push("train.val_every=0".into());
+    sets.push("echo.mi_every=0".into());
+    let opts = Options {
+        experiment: args.env.clone(),
+        model: args.model.clone(),
+        preset: Preset::StarpoS,
+        algo: args.algo,
+        sets,
+        steps: Some(args.steps),
+        run_dir: scratch.join("run"),
+        resume: false,
+        progress: false,
+        stop: Arc::new(AtomicBool::new(false)),
+    };
+    let result = train(opts);
+    let lines = std::fs::read_to_string(scratch.join("run/metrics.jsonl"));
+    let _ = std::fs::remove_dir_all(&scratch);
+    result?;
+    let steps: Vec<StepFigures> = lines
+        .context("bench step: the run wrote no metrics")?
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Map<String, Value>>(l).ok())
+        .filter(|l| l.contains_key("time/step_s"))
+        .map(|l| StepFigures::from_line(&l))
+        .collect();
+    let measured = if steps.len() > 1 { &steps[1..] } else { &steps[..] };
+    Ok(StepReport {
+        experiment: args.env.clone(),
+        threads: rayon::current_num_threads(),
+        median: StepFigures::median(measured),
+        steps,
+    })
+}
+
+/// A fresh scratch directory under the system's temp dir.
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("ragen-lab-bench-step-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// `ragen-lab bench step`: measure, print the table, write the JSON.
+pub fn run_cli(args: StepArgs) -> Result<()> {
+    let report = measure(&args)?;
+    println!(
+        "{}: {} steps, {} threads (seconds; tokens = model positions)",
+        args.env.display(),
+        args.steps,
+        report.threads
+    );
+    println!("{HEADER}");
+    for (i, s) in report.steps.iter().enumerate() {
+        println!("{}", s.row(&(i + 1).to_string()));
+    }
+    println!("{}", report.median.row("median"));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_come_from_the_metric_keys_and_medians_skip_nothing_given() {
+        let line: Map<String, Value> = serde_json::from_str(
+            r#"{"time/step_s": 3.0, "time/rollout_s": 1.0, "time/prefill_s": 0.25, "time/decode_s": 0.5,
+                "time/env_s": 0.25, "time/update_s": 2.0, "time/old_logprobs_s": 0.2, "time/forward_s": 0.5,
+                "time/backward_s": 1.0, "time/optimizer_s": 0.3, "perf/tokens_computed": 900,
+                "perf/tokens_unique": 800, "perf/peak_rss_mb": 1234}"#,
+        )
+        .unwrap();
+        let f = StepFigures::from_line(&line);
+        assert_eq!((f.prefill_s, f.backward_s, f.tokens_unique), (0.25, 1.0, 800.0));
+        let slow = StepFigures { step_s: 9.0, peak_rss_mb: 2000.0, ..f.clone() };
+        let m = StepFigures::median(&[f.clone(), slow.clone(), f.clone()]);
+        assert_eq!(m.step_s, 3.0);
+        assert_eq!(m.peak_rss_mb, 2000.0, "the peak is the largest, not the median");
+        assert!(m.row("median").contains("3.00"));
+    }
+}
