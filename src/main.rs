@@ -18,9 +18,20 @@ fn keep_freed_memory() {
     }
 }
 
+/// Fix the thread count once. Unset, candle re-derives it from /proc/cpuinfo on every matmul
+/// (`num_cpus::get_physical`), which cost several percent of a decode step.
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        // Before any other thread exists, so no one reads the environment concurrently.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 fn main() {
     #[cfg(feature = "mimalloc")]
     keep_freed_memory();
+    pin_thread_count();
     // Die quietly on a closed pipe (`ragen-lab settings | head`) like other Unix tools, instead
     // of panicking in println!.
     #[cfg(unix)]

@@ -24,8 +24,8 @@ pub struct GenerationConfig {
     pub top_k: usize,
     /// Text that ends a row's generation (e.g. `</answer>`); the text is cut after it.
     pub stop_strings: Vec<String>,
-    /// Prefill a prefix shared by consecutive prompts once (false: every row in full, the
-    /// reference path the tests compare against).
+    /// Prefill a prefix shared by consecutive prompts once (false: every row in full in one
+    /// batch, the reference path the tests compare against).
     pub share_prefixes: bool,
 }
 
@@ -38,6 +38,10 @@ impl Default for GenerationConfig {
 /// Shared prefixes shorter than this are prefilled with every row.
 const MIN_SHARED_PREFIX: usize = 16;
 
+/// What a separate prefill call costs beyond its tokens (kernel launches, cache set-up), in
+/// token positions: it keeps rows that share nothing in one batch.
+const CALL_COST: usize = 8;
+
 /// Consecutive prompts that prefill a common prefix once.
 #[derive(Debug, PartialEq)]
 struct Cluster {
@@ -46,26 +50,53 @@ struct Cluster {
     prefix: usize,
 }
 
-/// Split the prompts into runs that share a prefix. A row joins the run before it when it
-/// keeps at least 90% of the run's shared prefix: a group's rows share their whole first prompt,
-/// and a row of the next group (another start state) begins its own run rather than cutting
-/// the shared part down to the system prompt for everyone.
-fn clusters(prompts: &[Vec<u32>], share: bool) -> Vec<Cluster> {
-    let mut out: Vec<Cluster> = Vec::new();
-    for (r, p) in prompts.iter().enumerate() {
-        if let (Some(c), true) = (out.last_mut(), share) {
-            let first = &prompts[c.rows.start];
-            let common = first.iter().zip(p).take_while(|(a, b)| a == b).count().min(p.len() - 1);
-            let shared = if c.rows.len() == 1 { first.len() - 1 } else { c.prefix };
-            let joined = common.min(shared);
-            if joined >= MIN_SHARED_PREFIX && joined * 10 >= shared * 9 {
-                c.rows.end = r + 1;
-                c.prefix = joined;
-                continue;
-            }
+impl Cluster {
+    /// Rows `rows` as one cluster: the prefix all of them share (at least one own token each).
+    fn of(prompts: &[Vec<u32>], rows: std::ops::Range<usize>) -> Self {
+        let first = &prompts[rows.start];
+        let mut prefix = first.len() - 1;
+        for p in &prompts[rows.clone()] {
+            prefix = prefix.min(first.iter().zip(p).take_while(|(a, b)| a == b).count()).min(p.len() - 1);
         }
-        out.push(Cluster { rows: r..r + 1, prefix: 0 });
+        if rows.len() < 2 || prefix < MIN_SHARED_PREFIX {
+            prefix = 0;
+        }
+        Self { rows, prefix }
     }
+
+    /// Token positions its prefill computes: the prefix once, then every row from its
+    /// earliest own token to the common end.
+    fn cost(&self, prompts: &[Vec<u32>]) -> usize {
+        let longest = prompts[self.rows.clone()].iter().map(Vec::len).max().unwrap_or(0);
+        CALL_COST + self.prefix + self.rows.len() * (longest - self.prefix)
+    }
+}
+
+/// Split the prompts into runs of consecutive rows, each prefilling its shared prefix once,
+/// choosing the split that computes the fewest positions (dynamic programming over the cut
+/// points). A group's rows share their first prompt; a run across groups would share only
+/// the system prompt, so the split falls at the group boundaries. Without sharing: one run.
+fn clusters(prompts: &[Vec<u32>], share: bool) -> Vec<Cluster> {
+    let n = prompts.len();
+    if !share {
+        return vec![Cluster { rows: 0..n, prefix: 0 }];
+    }
+    // best[j]: (cost, start of the last run) of the best split of rows 0..j.
+    let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
+    for j in 1..=n {
+        best[j] = (1..=j)
+            .map(|len| (best[j - len].0 + Cluster::of(prompts, j - len..j).cost(prompts), j - len))
+            .min()
+            .expect("j >= 1");
+    }
+    let mut out = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        let i = best[j].1;
+        out.push(Cluster::of(prompts, i..j));
+        j = i;
+    }
+    out.reverse();
     out
 }
 
@@ -269,6 +300,34 @@ impl Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clusters_split_at_group_boundaries_and_keep_loners_together() {
+        let system: Vec<u32> = (100..140).collect();
+        let prompt = |group: u32, extra: &[u32]| -> Vec<u32> {
+            [system.clone(), (0..30).map(|i| 1000 * group + i).collect(), extra.to_vec()].concat()
+        };
+        // Two groups of three (their first prompt shared, then own replies), then two loners.
+        let prompts = vec![
+            prompt(1, &[1, 2]),
+            prompt(1, &[3]),
+            prompt(1, &[4, 5, 6]),
+            prompt(2, &[7]),
+            prompt(2, &[8]),
+            prompt(2, &[9, 9]),
+            vec![1, 2, 3],
+            vec![4, 5],
+        ];
+        let c = clusters(&prompts, true);
+        assert_eq!(c[0], Cluster { rows: 0..3, prefix: 70 });
+        assert_eq!(c[1], Cluster { rows: 3..6, prefix: 70 });
+        assert_eq!(c[2], Cluster { rows: 6..8, prefix: 0 }, "short unrelated rows batch together");
+        assert_eq!(c.len(), 3);
+        assert_eq!(clusters(&prompts, false), vec![Cluster { rows: 0..8, prefix: 0 }]);
+        // Identical prompts: all but the last token once.
+        let same = vec![prompt(1, &[]); 4];
+        assert_eq!(clusters(&same, true), vec![Cluster { rows: 0..4, prefix: 69 }]);
+    }
 
     #[test]
     fn pick_is_greedy_at_zero_temperature_and_respects_top_k() {
