@@ -517,3 +517,36 @@ fn prefilling_a_shared_prompt_once_generates_what_the_full_prefill_does() {
         }
     }
 }
+
+#[test]
+fn a_turn_that_resumes_the_last_one_generates_what_a_full_prefill_does() {
+    for name in PRESETS {
+        let p = load(name);
+        let prompts = vec![chat(&p, "Dragon or Phoenix?"), chat(&p, "Dragon or Phoenix?"), chat(&p, "Go Left")];
+        let cfg = GenerationConfig { max_new_tokens: 6, temperature: 1.0, ..Default::default() };
+        let none: Vec<Option<ragen_lab::policy::Resume>> = (0..3).map(|_| None).collect();
+        let (first, kept) = p.generate_resuming(&prompts, &none, true, &cfg, &mut Rng::new(9)).unwrap();
+        let kept: Vec<_> = kept.into_iter().map(|r| r.unwrap()).collect();
+        for (k, (g, pr)) in kept.iter().zip(first.iter().zip(&prompts)) {
+            assert_eq!(k.len(), pr.len() + g.ids.len() - 1, "{name}: the prompt and the tokens fed back");
+        }
+        // Next turn: the conversation so far plus a new user message; row 2 changed its history
+        // (as a context window would), so only part of its resume applies.
+        let next_user = p.encode("Now go Down.").unwrap();
+        let mut next: Vec<Vec<u32>> =
+            prompts.iter().zip(&first).map(|(pr, g)| [pr.clone(), g.ids.clone(), next_user.clone()].concat()).collect();
+        next[2] = [chat(&p, "Go Right"), next_user.clone()].concat();
+        let resumed = p
+            .generate_resuming(&next, &kept.into_iter().map(Some).collect::<Vec<_>>(), false, &cfg, &mut Rng::new(4))
+            .unwrap()
+            .0;
+        let full =
+            p.generate(&next, &GenerationConfig { share_prefixes: false, ..cfg.clone() }, &mut Rng::new(4)).unwrap();
+        for (i, (a, b)) in resumed.iter().zip(&full).enumerate() {
+            assert_eq!(a.ids, b.ids, "{name} row {i}");
+            for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+                assert!((x - y).abs() < 1e-4, "{name} row {i}: log-prob {x} vs {y}");
+            }
+        }
+    }
+}

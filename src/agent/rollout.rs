@@ -14,7 +14,7 @@ use serde_json::{Map, Value};
 use super::history::History;
 use super::pack::Packed;
 use super::turn::{parse_turn, ParsedTurn};
-use crate::policy::{GenerationConfig, Policy};
+use crate::policy::{GenerationConfig, Policy, Resume};
 use crate::rng::Rng;
 use crate::script::{shape_all, Episode, ExperimentScripts, TurnContext};
 use crate::starpo::settings::Rollout as RolloutSettings;
@@ -105,6 +105,8 @@ struct Live {
     prev_reward: Option<f64>,
     done: bool,
     truncated: bool,
+    /// What the model computed for this episode last turn, to continue from.
+    resume: Option<Resume>,
 }
 
 /// Run a rollout. `rng` drives sampling; env randomness comes from (seed, episode index).
@@ -148,6 +150,7 @@ pub fn rollout(
                 prev_reward: None,
                 done: false,
                 truncated: false,
+                resume: None,
             });
         }
     }
@@ -181,9 +184,22 @@ pub fn rollout(
         if batch.is_empty() {
             break;
         }
-        // 2. All live episodes generate together.
+        // 2. All live episodes generate together, each continuing from what the model computed
+        // for it last turn (the new prompt repeats the old one and the reply).
         let prompts: Vec<Vec<u32>> = batch.iter().map(|b| b.1.clone()).collect();
-        let gens = policy.generate(&prompts, &gen_cfg, rng).context("generating responses")?;
+        let resume: Vec<Option<Resume>> = batch.iter().map(|b| live[b.0].resume.take()).collect();
+        let keep = turn < max_turns && s.kv_cache_mb > 0;
+        let (gens, resumes) =
+            policy.generate_resuming(&prompts, &resume, keep, &gen_cfg, rng).context("generating responses")?;
+        drop(resume);
+        // Keep them for the next turn while they fit the budget.
+        let mut budget = s.kv_cache_mb << 20;
+        for ((i, ..), r) in batch.iter().zip(resumes) {
+            if let Some(r) = r.filter(|r| r.bytes() <= budget) {
+                budget -= r.bytes();
+                live[*i].resume = Some(r);
+            }
+        }
         // 3. Parse, step, shape.
         for ((i, _, obs, user), gen) in batch.into_iter().zip(gens) {
             let ep = &mut live[i];

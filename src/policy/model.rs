@@ -129,13 +129,35 @@ impl KvCache {
         self.len = len.min(self.capacity);
     }
 
-    /// Copy a shared prefix's keys and values into batch row `row` at positions `at..`.
-    pub fn write_prefix(&mut self, row: usize, at: usize, prefix: &SharedPrefix) -> Result<()> {
+    /// Copy the first `n` positions of a shared prefix's keys and values into batch row `row`
+    /// at positions `at..`.
+    pub fn write_prefix(&mut self, row: usize, at: usize, prefix: &SharedPrefix, n: usize) -> Result<()> {
+        if n > prefix.len {
+            bail!("{n} positions asked of a prefix of {}", prefix.len);
+        }
         for ((k, v), (pk, pv)) in self.layers.iter().zip(&prefix.layers) {
-            k.narrow(0, row, 1)?.slice_set(pk, 2, at)?;
-            v.narrow(0, row, 1)?.slice_set(pv, 2, at)?;
+            let (pk, pv) = if n == prefix.len {
+                (pk.clone(), pv.clone())
+            } else {
+                (pk.narrow(2, 0, n)?.contiguous()?, pv.narrow(2, 0, n)?.contiguous()?)
+            };
+            k.narrow(0, row, 1)?.slice_set(&pk, 2, at)?;
+            v.narrow(0, row, 1)?.slice_set(&pv, 2, at)?;
         }
         Ok(())
+    }
+
+    /// A copy of batch row `row`'s positions `at..at + n`, as a prefix to resume from.
+    pub fn row(&self, row: usize, at: usize, n: usize) -> Result<SharedPrefix> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| {
+                let take = |t: &Tensor| -> Result<Tensor> { Ok(t.narrow(0, row, 1)?.narrow(2, at, n)?.contiguous()?) };
+                Ok((take(k)?, take(v)?))
+            })
+            .collect::<Result<_>>()?;
+        Ok(SharedPrefix { layers, len: n })
     }
 
     /// Stack caches of the same capacity and length along the batch.
@@ -182,6 +204,11 @@ pub struct SharedPrefix {
 impl SharedPrefix {
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Bytes of keys and values held.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -8,7 +8,7 @@
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
-use super::model::{KvCache, Mode};
+use super::model::{KvCache, Mode, SharedPrefix};
 use super::Policy;
 use crate::phase::{self, Phase};
 use crate::rng::Rng;
@@ -64,19 +64,21 @@ impl Cluster {
         Self { rows, prefix }
     }
 
-    /// Token positions its prefill computes: the prefix once, then every row from its
-    /// earliest own token to the common end.
-    fn cost(&self, prompts: &[Vec<u32>]) -> usize {
-        let longest = prompts[self.rows.clone()].iter().map(Vec::len).max().unwrap_or(0);
-        CALL_COST + self.prefix + self.rows.len() * (longest - self.prefix)
+    /// Token positions its prefill computes: the prefix once (unless every row resumes past
+    /// it), then every row from the earliest position not known to the common end.
+    fn cost(&self, prompts: &[Vec<u32>], resumed: &[usize]) -> usize {
+        let known = |r: usize| resumed[r].max(self.prefix);
+        let own = self.rows.clone().map(|r| prompts[r].len() - known(r)).max().unwrap_or(0);
+        let shared = if self.rows.clone().any(|r| resumed[r] < self.prefix) { self.prefix } else { 0 };
+        CALL_COST + shared + self.rows.len() * own
     }
 }
 
 /// Split the prompts into runs of consecutive rows, each prefilling its shared prefix once,
 /// choosing the split that computes the fewest positions (dynamic programming over the cut
-/// points). A group's rows share their first prompt; a run across groups would share only
+/// points). `resumed[r]`: positions row r continues from an earlier call. A group's rows share their first prompt; a run across groups would share only
 /// the system prompt, so the split falls at the group boundaries. Without sharing: one run.
-fn clusters(prompts: &[Vec<u32>], share: bool) -> Vec<Cluster> {
+fn clusters(prompts: &[Vec<u32>], resumed: &[usize], share: bool) -> Vec<Cluster> {
     let n = prompts.len();
     if !share {
         return vec![Cluster { rows: 0..n, prefix: 0 }];
@@ -85,7 +87,7 @@ fn clusters(prompts: &[Vec<u32>], share: bool) -> Vec<Cluster> {
     let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
     for j in 1..=n {
         best[j] = (1..=j)
-            .map(|len| (best[j - len].0 + Cluster::of(prompts, j - len..j).cost(prompts), j - len))
+            .map(|len| (best[j - len].0 + Cluster::of(prompts, j - len..j).cost(prompts, resumed), j - len))
             .min()
             .expect("j >= 1");
     }
@@ -120,6 +122,36 @@ pub struct Generation {
     /// filtering (temperature 1 when greedy), the distribution training scores.
     pub logprobs: Vec<f32>,
     pub finish: Finish,
+}
+
+/// The positions a row has already run through the model (its prompt and the generated tokens
+/// fed back), with their keys and values: a later turn whose prompt starts with the same tokens
+/// continues from them instead of prefilling the whole conversation again.
+pub struct Resume {
+    ids: Vec<u32>,
+    kv: SharedPrefix,
+}
+
+impl Resume {
+    /// Token positions held.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Bytes of keys and values held.
+    pub fn bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    /// Positions of `prompt` this resume can supply: the common prefix, leaving the prompt's
+    /// last token to run (its hidden state gives the first new token).
+    fn reusable(&self, prompt: &[u32]) -> usize {
+        self.ids.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len().saturating_sub(1))
+    }
 }
 
 /// Pick a token from one row of logits; returns (id, log-prob as documented on `Generation`).
@@ -172,11 +204,40 @@ impl Policy {
         prompts: &[Vec<u32>],
         cfg: &GenerationConfig,
         rng: &mut Rng,
-        mut on_token: impl FnMut(usize, u32),
+        on_token: impl FnMut(usize, u32),
     ) -> Result<Vec<Generation>> {
+        Ok(self.run(prompts, &[], false, cfg, rng, on_token)?.0)
+    }
+
+    /// `generate` for rows that may continue an earlier call: `resume[i]` (if any) supplies the
+    /// positions row i's prompt shares with it. With `keep`, also returns each row's new
+    /// `Resume` (the prompt and the generated tokens fed back) for the next turn.
+    pub fn generate_resuming(
+        &self,
+        prompts: &[Vec<u32>],
+        resume: &[Option<Resume>],
+        keep: bool,
+        cfg: &GenerationConfig,
+        rng: &mut Rng,
+    ) -> Result<(Vec<Generation>, Vec<Option<Resume>>)> {
+        if resume.len() != prompts.len() {
+            bail!("{} resumes for {} prompts", resume.len(), prompts.len());
+        }
+        self.run(prompts, resume, keep, cfg, rng, |_, _| {})
+    }
+
+    fn run(
+        &self,
+        prompts: &[Vec<u32>],
+        resume: &[Option<Resume>],
+        keep: bool,
+        cfg: &GenerationConfig,
+        rng: &mut Rng,
+        mut on_token: impl FnMut(usize, u32),
+    ) -> Result<(Vec<Generation>, Vec<Option<Resume>>)> {
         let b = prompts.len();
         if b == 0 {
-            return Ok(vec![]);
+            return Ok((vec![], vec![]));
         }
         if let Some(i) = prompts.iter().position(Vec::is_empty) {
             bail!("prompt {i} is empty: generation needs at least one token to condition on");
@@ -184,10 +245,18 @@ impl Policy {
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let starts: Vec<usize> = prompts.iter().map(|x| p - x.len()).collect();
         let dev = self.device();
-        let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, cfg))?;
+        let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, resume, cfg))?;
         let mut out: Vec<Generation> = (0..b)
             .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
             .collect();
+        let mut kept: Vec<Option<Resume>> = (0..b).map(|_| None).collect();
+        // Row k of the cache holds the positions of `prompts[row]` and of the tokens fed after
+        // it: all generated ids but the last (never fed back).
+        let snapshot = |cache: &KvCache, k: usize, row: usize, g: &Generation| -> Result<Resume> {
+            let n = prompts[row].len() + g.ids.len().saturating_sub(1);
+            let ids = [prompts[row].as_slice(), &g.ids[..g.ids.len().saturating_sub(1)]].concat();
+            Ok(Resume { ids, kv: cache.row(k, starts[row], n)? })
+        };
         let mut done = vec![false; b];
         // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
         // once they are a quarter of it, so long stragglers do not drag the whole batch along.
@@ -223,15 +292,25 @@ impl Policy {
             }
             let finished = active.iter().filter(|&&r| done[r]).count();
             if finished > 0 && finished * 4 >= active.len() {
-                let keep: Vec<usize> = (0..active.len()).filter(|&k| !done[active[k]]).collect();
-                cache.retain(&keep)?;
-                next = keep.iter().map(|&k| next[k]).collect();
-                active_starts = keep.iter().map(|&k| active_starts[k]).collect();
-                active = keep.iter().map(|&k| active[k]).collect();
+                if keep {
+                    for (k, &row) in active.iter().enumerate().filter(|(_, &r)| done[r]) {
+                        kept[row] = Some(snapshot(&cache, k, row, &out[row])?);
+                    }
+                }
+                let stay: Vec<usize> = (0..active.len()).filter(|&k| !done[active[k]]).collect();
+                cache.retain(&stay)?;
+                next = stay.iter().map(|&k| next[k]).collect();
+                active_starts = stay.iter().map(|&k| active_starts[k]).collect();
+                active = stay.iter().map(|&k| active[k]).collect();
             }
             let ids = Tensor::from_vec(next, (active.len(), 1), dev)?;
             last = self.model.hidden(&ids, &active_starts, Some(&mut cache), Mode::Sample)?.squeeze(1)?;
             phase::add_tokens(active.len());
+        }
+        if keep {
+            for (k, &row) in active.iter().enumerate() {
+                kept[row] = Some(snapshot(&cache, k, row, &out[row])?);
+            }
         }
         phase::add_seconds(Phase::Decode, decode_start.elapsed().as_secs_f64());
         for g in &mut out {
@@ -246,30 +325,52 @@ impl Policy {
                 g.text.truncate(end);
             }
         }
-        Ok(out)
+        Ok((out, kept))
     }
 
     /// The KV cache after every prompt, left-padded to a common end `p`, with room for the new
-    /// tokens; and the last position's hidden state of each row, `[B, H]`. Each cluster of rows
-    /// runs its shared prefix once (its keys and values copied to every row's place) and then
-    /// only the positions from its earliest own token to `p`.
-    fn prefill(&self, prompts: &[Vec<u32>], starts: &[usize], cfg: &GenerationConfig) -> Result<(KvCache, Tensor)> {
+    /// tokens; and the last position's hidden state of each row, `[B, H]`. A row's first
+    /// positions come from its `resume` or from its cluster's shared prefix (run once), copied
+    /// into its place; then each cluster runs only the positions from its earliest own token
+    /// to `p`.
+    fn prefill(
+        &self,
+        prompts: &[Vec<u32>],
+        starts: &[usize],
+        resume: &[Option<Resume>],
+        cfg: &GenerationConfig,
+    ) -> Result<(KvCache, Tensor)> {
         let dev = self.device();
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let capacity = p + cfg.max_new_tokens;
+        let resumed: Vec<usize> = (0..prompts.len())
+            .map(|r| resume.get(r).and_then(Option::as_ref).map_or(0, |x| x.reusable(&prompts[r])))
+            .collect();
         let (mut caches, mut lasts) = (Vec::new(), Vec::new());
-        for c in clusters(prompts, cfg.share_prefixes) {
+        for c in clusters(prompts, &resumed, cfg.share_prefixes) {
             let rows = c.rows.len();
             let mut cache = KvCache::new(&self.model.cfg, rows, capacity, dev)?;
-            if c.prefix > 0 {
-                let shared = self.model.prefix(&prompts[c.rows.start][..c.prefix], Mode::Sample)?;
-                for (i, r) in c.rows.clone().enumerate() {
-                    cache.write_prefix(i, starts[r], &shared)?;
-                }
+            let shared = match c.prefix > 0 && c.rows.clone().any(|r| resumed[r] < c.prefix) {
+                true => Some(self.model.prefix(&prompts[c.rows.start][..c.prefix], Mode::Sample)?),
+                false => None,
+            };
+            let mut own = 1;
+            for (i, r) in c.rows.clone().enumerate() {
+                let known = match (&resume.get(r).and_then(Option::as_ref), &shared) {
+                    (Some(x), _) if resumed[r] >= c.prefix && resumed[r] > 0 => {
+                        cache.write_prefix(i, starts[r], &x.kv, resumed[r])?;
+                        resumed[r]
+                    }
+                    (_, Some(sh)) => {
+                        cache.write_prefix(i, starts[r], sh, c.prefix)?;
+                        c.prefix
+                    }
+                    _ => 0,
+                };
+                own = own.max(prompts[r].len() - known);
             }
-            // Positions p - own .. p hold every row's own tokens (and, for shorter rows, some
-            // already cached or padding positions, recomputed or masked).
-            let own = c.rows.clone().map(|r| prompts[r].len() - c.prefix).max().unwrap_or(1);
+            // Positions p - own .. p hold every row's own tokens (and, for rows with fewer, some
+            // already known or padding positions, recomputed or masked).
             let mut flat = Vec::with_capacity(rows * own);
             for r in c.rows.clone() {
                 let row = &prompts[r];
@@ -280,7 +381,7 @@ impl Policy {
             cache.set_len(p - own);
             let ids = Tensor::from_vec(flat, (rows, own), dev)?;
             let hidden = self.model.hidden(&ids, &starts[c.rows.clone()], Some(&mut cache), Mode::Sample)?;
-            phase::add_tokens(c.prefix + rows * own);
+            phase::add_tokens(shared.as_ref().map_or(0, |_| c.prefix) + rows * own);
             lasts.push(hidden.narrow(1, own - 1, 1)?.squeeze(1)?); // [rows, H]
             caches.push(cache);
         }
@@ -318,15 +419,20 @@ mod tests {
             vec![1, 2, 3],
             vec![4, 5],
         ];
-        let c = clusters(&prompts, true);
+        let none = vec![0; prompts.len()];
+        let c = clusters(&prompts, &none, true);
         assert_eq!(c[0], Cluster { rows: 0..3, prefix: 70 });
         assert_eq!(c[1], Cluster { rows: 3..6, prefix: 70 });
         assert_eq!(c[2], Cluster { rows: 6..8, prefix: 0 }, "short unrelated rows batch together");
         assert_eq!(c.len(), 3);
-        assert_eq!(clusters(&prompts, false), vec![Cluster { rows: 0..8, prefix: 0 }]);
+        assert_eq!(clusters(&prompts, &none, false), vec![Cluster { rows: 0..8, prefix: 0 }]);
+        // Rows that resume their own earlier turn need no shared prefix: one batch.
+        let resumed: Vec<usize> = prompts.iter().map(|p| p.len() - 1).collect();
+        let c = clusters(&prompts[..6], &resumed[..6], true);
+        assert_eq!(c.iter().map(|c| c.cost(&prompts, &resumed)).sum::<usize>(), CALL_COST + 6);
         // Identical prompts: all but the last token once.
         let same = vec![prompt(1, &[]); 4];
-        assert_eq!(clusters(&same, true), vec![Cluster { rows: 0..4, prefix: 69 }]);
+        assert_eq!(clusters(&same, &[0; 4], true), vec![Cluster { rows: 0..4, prefix: 69 }]);
     }
 
     #[test]

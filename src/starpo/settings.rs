@@ -94,6 +94,9 @@ settings_section! {
         think: bool = true,
         /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
         context_window: usize = 0,
+        /// Keys and values kept between turns so the next turn prefills only its new tokens,
+        /// in MB for the whole batch (0 = re-prefill every turn); episodes past it re-prefill.
+        kv_cache_mb: usize = 2048,
         /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
         seed_base: u64 = 10000,
     }
