@@ -160,7 +160,9 @@ settings_section! {
         /// Trajectories per optimiser step (RAGEN ppo_mini_batch_size); a smaller kept batch is
         /// one mini-batch.
         mini_batch_size: usize = 32,
-        /// Sequences per forward/backward pass (gradients accumulate over a mini-batch).
+        /// Memory of a forward/backward pass, in sequences of the longest trajectory
+        /// (gradients accumulate over a mini-batch); rows sharing a prompt compute it once, so
+        /// a pass holds as many of them as fit.
         micro_batch_size: usize = 4,
         /// Passes over the kept rollout per update (RAGEN ppo_epochs).
         epochs: usize = 1,
