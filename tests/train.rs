@@ -59,8 +59,12 @@ fn run_ok(mut c: Command) -> String {
     text
 }
 
+/// The complete lines of a JSONL file that a running trainer may be appending to (a last line
+/// without its newline is still being written).
 fn jsonl(path: &Path) -> Vec<Value> {
-    fs::read_to_string(path).unwrap_or_default().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    let text = fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |i| &text[..i]);
+    complete.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 fn steps_of(run: &Path) -> Vec<u64> {

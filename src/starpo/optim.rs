@@ -159,8 +159,8 @@ impl FusedStep {
 
     /// m ← β1·m + (1−β1)·g; v ← β2·v + (1−β2)·g²; p ← p·(1−lr·wd) − lr·m̂/(√v̂ + ε), in place.
     fn apply(self, p: &Tensor, m: &Tensor, v: &Tensor, g: &Tensor) -> Result<()> {
-        m.inplace_op2(g, &Moments { step: self })?;
-        v.inplace_op2(g, &Moments2 { step: self })?;
+        m.inplace_op2(g, &Moment { step: self, second: false })?;
+        v.inplace_op2(g, &Moment { step: self, second: true })?;
         p.inplace_op3(m, v, &Apply { step: self })?;
         Ok(())
     }
@@ -181,43 +181,26 @@ fn slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> candle_core::Result<&'a m
     }
 }
 
-struct Moments {
+/// One moment's running average, in place: m ← β1·m + (1−β1)·g, or with `second`
+/// v ← β2·v + (1−β2)·g² (g already scaled by the clipping factor).
+struct Moment {
     step: FusedStep,
+    second: bool,
 }
 
-impl candle_core::InplaceOp2 for Moments {
+impl candle_core::InplaceOp2 for Moment {
     fn name(&self) -> &'static str {
-        "adamw-m"
+        "adamw-moment"
     }
 
     fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, gl: &Layout) -> candle_core::Result<()> {
-        let (b1, sc) = (self.step.beta1, self.step.scale);
+        let (beta, sc, second) =
+            (if self.second { self.step.beta2 } else { self.step.beta1 }, self.step.scale, self.second);
         let (m, g) = (slice_mut(dst, dst_l)?, slice(g, gl)?);
         m.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(m, g)| {
             for (m, &g) in m.iter_mut().zip(g) {
-                *m = b1 * *m + (1.0 - b1) * (g * sc);
-            }
-        });
-        Ok(())
-    }
-}
-
-struct Moments2 {
-    step: FusedStep,
-}
-
-impl candle_core::InplaceOp2 for Moments2 {
-    fn name(&self) -> &'static str {
-        "adamw-v"
-    }
-
-    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, gl: &Layout) -> candle_core::Result<()> {
-        let (b2, sc) = (self.step.beta2, self.step.scale);
-        let (v, g) = (slice_mut(dst, dst_l)?, slice(g, gl)?);
-        v.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(v, g)| {
-            for (v, &g) in v.iter_mut().zip(g) {
                 let g = g * sc;
-                *v = b2 * *v + (1.0 - b2) * g * g;
+                *m = beta * *m + (1.0 - beta) * if second { g * g } else { g };
             }
         });
         Ok(())
