@@ -2,6 +2,7 @@
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
 use ragen_lab::policy::kernels::causal_softmax;
+use ragen_lab::policy::model::attention_mask;
 use ragen_lab::rng::Rng;
 
 fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
@@ -10,21 +11,10 @@ fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
-/// The reference: an additive mask and candle's differentiable softmax.
+/// The reference: the model's additive mask and candle's differentiable softmax.
 fn composite(x: &Tensor, offset: usize, starts: &[usize]) -> Tensor {
     let (b, _, t, l) = x.dims4().unwrap();
-    let mut m = vec![0f32; b * t * l];
-    for (row, &start) in starts.iter().enumerate() {
-        for j in 0..t {
-            let q = offset + j;
-            for s in 0..l {
-                if s > q || (s < start && s != q) {
-                    m[(row * t + j) * l + s] = f32::NEG_INFINITY;
-                }
-            }
-        }
-    }
-    let mask = Tensor::from_vec(m, (b, 1, t, l), &Device::Cpu).unwrap();
+    let mask = attention_mask(b, t, offset, starts, &Device::Cpu).unwrap().reshape((b, 1, t, l)).unwrap();
     candle_nn::ops::softmax(&x.broadcast_add(&mask).unwrap(), D::Minus1).unwrap()
 }
 

@@ -190,7 +190,9 @@ fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
     fs::write(&env, format!("{original}\nfn broken( {{")).unwrap();
     wait_for(&mut child, "the reload error", || !events("reload_error").is_empty());
     let err_step = events("reload_error")[0]["step"].as_u64().unwrap();
-    wait_for(&mut child, "a step after the broken edit", || steps_of(&run).last().is_some_and(|&s| s >= err_step));
+    // The step's rollouts are written (atomically) after its metrics line.
+    let rollouts_of = |step: u64| run.join(format!("rollouts/step-{step:06}.jsonl"));
+    wait_for(&mut child, "the rollouts of the step after the broken edit", || rollouts_of(err_step).exists());
     child.kill().unwrap();
     child.wait().unwrap();
 

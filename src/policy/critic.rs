@@ -61,10 +61,7 @@ impl Critic {
         let (b, t, p) = (batch.rows, batch.len, batch.prefix);
         let (hidden, _) = own_hidden(&self.backbone, batch, mode)?; // [B, T - p, H]
         let h = hidden.dim(2)?;
-        let (w, bias) = match mode {
-            Mode::Train => (self.score_weight.as_tensor().clone(), self.score_bias.as_tensor().clone()),
-            _ => (self.score_weight.as_tensor().detach(), self.score_bias.as_tensor().detach()),
-        };
+        let (w, bias) = (mode.weight(&self.score_weight), mode.weight(&self.score_bias));
         let v = hidden.reshape((b * (t - p), h))?.matmul(&w.t()?)?;
         let mut v = v.broadcast_add(&bias)?.reshape((b, t - p))?;
         if p > 0 {

@@ -229,7 +229,6 @@ impl Policy {
         loss: impl FnOnce(&Scored) -> Result<Tensor>,
     ) -> Result<(f32, GradStore)> {
         let forward_start = std::time::Instant::now();
-        phase::add_tokens(batch.tokens_computed());
         let mask = batch.score_mask(self.device())?;
         let (hidden, ids) = own_hidden(&self.model, batch, Mode::Train)?; // [B, S, H], graph to every weight
         let h_leaf = Var::from_tensor(&hidden.detach())?;

@@ -35,7 +35,7 @@ impl Mode {
     /// A weight as this mode reads it: detached (no graph recorded through it) unless training.
     /// Without this, every op of a no-grad pass would be recorded and keep its inputs alive
     /// until the output is dropped: gigabytes of activations for a batched prefill.
-    fn weight(self, v: &Var) -> Tensor {
+    pub(crate) fn weight(self, v: &Var) -> Tensor {
         match self {
             Mode::Train => v.as_tensor().clone(),
             Mode::Score | Mode::Sample => v.as_tensor().detach(),
@@ -575,9 +575,10 @@ enum LayerPast<'a> {
     Prefix(&'a (Tensor, Tensor)),
 }
 
-/// Additive mask `[B, 1, 1, T, L]` (devices without the fused kernel): query j of row b (cache index offset+j) sees key s when
-/// s ≤ offset+j and s is not padding. A padding query still sees itself, so no softmax row is empty.
-fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<Tensor> {
+/// Additive mask `[B, 1, 1, T, L]` (devices without the fused kernel; the kernel's tests):
+/// query j of row b (cache index offset+j) sees key s when s ≤ offset+j and s is not padding.
+/// A padding query still sees itself, so no softmax row is empty.
+pub fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: &Device) -> Result<Tensor> {
     let kv_len = offset + t;
     let mut m = vec![0f32; b * t * kv_len];
     for (row, &start) in starts.iter().enumerate() {

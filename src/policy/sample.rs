@@ -52,15 +52,13 @@ struct Cluster {
 
 impl Cluster {
     /// Rows `rows` as one cluster: the prefix all of them share (at least one own token each).
-    fn of(prompts: &[Vec<u32>], rows: std::ops::Range<usize>) -> Self {
-        let first = &prompts[rows.start];
-        let mut prefix = first.len() - 1;
-        for p in &prompts[rows.clone()] {
-            prefix = prefix.min(first.iter().zip(p).take_while(|(a, b)| a == b).count()).min(p.len() - 1);
-        }
-        if rows.len() < 2 || prefix < MIN_SHARED_PREFIX {
-            prefix = 0;
-        }
+    /// `adjacent[r]`: the common prefix of prompts r and r + 1 (the common prefix of a run is
+    /// the least of its neighbours').
+    fn of(prompts: &[Vec<u32>], adjacent: &[usize], rows: std::ops::Range<usize>) -> Self {
+        let shortest = prompts[rows.clone()].iter().map(Vec::len).min().unwrap_or(1);
+        let common = adjacent[rows.start..rows.end - 1].iter().copied().min().unwrap_or(usize::MAX);
+        let prefix = common.min(shortest - 1);
+        let prefix = if rows.len() < 2 || prefix < MIN_SHARED_PREFIX { 0 } else { prefix };
         Self { rows, prefix }
     }
 
@@ -76,26 +74,27 @@ impl Cluster {
 
 /// Split the prompts into runs of consecutive rows, each prefilling its shared prefix once,
 /// choosing the split that computes the fewest positions (dynamic programming over the cut
-/// points). `resumed[r]`: positions row r continues from an earlier call. A group's rows share their first prompt; a run across groups would share only
-/// the system prompt, so the split falls at the group boundaries. Without sharing: one run.
+/// points). `resumed[r]`: positions row r continues from an earlier call. A group's rows share
+/// their first prompt; a run across groups would share only the system prompt, so the split
+/// falls at the group boundaries. Without sharing: one run.
 fn clusters(prompts: &[Vec<u32>], resumed: &[usize], share: bool) -> Vec<Cluster> {
     let n = prompts.len();
     if !share {
         return vec![Cluster { rows: 0..n, prefix: 0 }];
     }
+    let adjacent: Vec<usize> =
+        prompts.windows(2).map(|w| w[0].iter().zip(&w[1]).take_while(|(a, b)| a == b).count()).collect();
+    let of = |rows: std::ops::Range<usize>| Cluster::of(prompts, &adjacent, rows);
     // best[j]: (cost, start of the last run) of the best split of rows 0..j.
     let mut best: Vec<(usize, usize)> = vec![(0, 0); n + 1];
     for j in 1..=n {
-        best[j] = (1..=j)
-            .map(|len| (best[j - len].0 + Cluster::of(prompts, j - len..j).cost(prompts, resumed), j - len))
-            .min()
-            .expect("j >= 1");
+        best[j] = (0..j).map(|i| (best[i].0 + of(i..j).cost(prompts, resumed), i)).min().expect("j >= 1");
     }
     let mut out = Vec::new();
     let mut j = n;
     while j > 0 {
         let i = best[j].1;
-        out.push(Cluster::of(prompts, i..j));
+        out.push(of(i..j));
         j = i;
     }
     out.reverse();

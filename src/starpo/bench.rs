@@ -36,70 +36,60 @@ pub struct StepArgs {
     pub json: Option<PathBuf>,
 }
 
-/// One step's figures, from its metrics line.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
-pub struct StepFigures {
-    pub step_s: f64,
-    pub rollout_s: f64,
-    pub prefill_s: f64,
-    pub decode_s: f64,
+/// One step's figures, each read from its metrics key: declared once for the struct, the
+/// reading and the medians.
+macro_rules! step_figures {
+    ($($(#[$doc:meta])* $field:ident: $key:expr,)*) => {
+        #[derive(Clone, Debug, Default, Serialize, PartialEq)]
+        pub struct StepFigures {
+            $($(#[$doc])* pub $field: f64,)*
+        }
+
+        impl StepFigures {
+            fn from_line(line: &Map<String, Value>) -> Self {
+                let get = |k: &str| line.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+                Self { $($field: get(&$key),)* }
+            }
+
+            /// Field-wise median of `steps` (the upper middle for an even count); the peak RSS
+            /// is the largest.
+            fn median(steps: &[StepFigures]) -> Self {
+                let m = |f: fn(&StepFigures) -> f64| {
+                    let mut v: Vec<f64> = steps.iter().map(f).collect();
+                    v.sort_by(f64::total_cmp);
+                    v.get(v.len() / 2).copied().unwrap_or(0.0)
+                };
+                Self {
+                    $($field: m(|s| s.$field),)*
+                }
+                .with_peak(steps.iter().map(|s| s.peak_rss_mb).fold(0.0, f64::max))
+            }
+        }
+    };
+}
+
+step_figures! {
+    step_s: "time/step_s",
+    rollout_s: "time/rollout_s",
+    prefill_s: format!("time/{}_s", Phase::Prefill.name()),
+    decode_s: format!("time/{}_s", Phase::Decode.name()),
     /// Env and reward scripts, prompt rendering and tokenising: the rollout less the model.
-    pub env_s: f64,
-    pub update_s: f64,
-    pub old_logprobs_s: f64,
-    pub forward_s: f64,
-    pub backward_s: f64,
-    pub optimizer_s: f64,
+    env_s: "time/env_s",
+    update_s: "time/update_s",
+    old_logprobs_s: format!("time/{}_s", Phase::OldLogprobs.name()),
+    forward_s: format!("time/{}_s", Phase::Forward.name()),
+    backward_s: format!("time/{}_s", Phase::Backward.name()),
+    optimizer_s: format!("time/{}_s", Phase::Optimizer.name()),
     /// Token positions the model computed (rollout and update).
-    pub tokens_computed: f64,
+    tokens_computed: "perf/tokens_computed",
     /// Distinct token positions of the step's trajectories (their prefix tree).
-    pub tokens_unique: f64,
-    pub peak_rss_mb: f64,
+    tokens_unique: "perf/tokens_unique",
+    peak_rss_mb: "perf/peak_rss_mb",
 }
 
 impl StepFigures {
-    fn from_line(line: &Map<String, Value>) -> Self {
-        let get = |k: &str| line.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-        let phase = |p: Phase| get(&format!("time/{}_s", p.name()));
-        Self {
-            step_s: get("time/step_s"),
-            rollout_s: get("time/rollout_s"),
-            prefill_s: phase(Phase::Prefill),
-            decode_s: phase(Phase::Decode),
-            env_s: get("time/env_s"),
-            update_s: get("time/update_s"),
-            old_logprobs_s: phase(Phase::OldLogprobs),
-            forward_s: phase(Phase::Forward),
-            backward_s: phase(Phase::Backward),
-            optimizer_s: phase(Phase::Optimizer),
-            tokens_computed: get("perf/tokens_computed"),
-            tokens_unique: get("perf/tokens_unique"),
-            peak_rss_mb: get("perf/peak_rss_mb"),
-        }
-    }
-
-    /// Field-wise median of `steps` (the upper middle for an even count).
-    fn median(steps: &[StepFigures]) -> Self {
-        let m = |f: fn(&StepFigures) -> f64| {
-            let mut v: Vec<f64> = steps.iter().map(f).collect();
-            v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(0.0)
-        };
-        Self {
-            step_s: m(|s| s.step_s),
-            rollout_s: m(|s| s.rollout_s),
-            prefill_s: m(|s| s.prefill_s),
-            decode_s: m(|s| s.decode_s),
-            env_s: m(|s| s.env_s),
-            update_s: m(|s| s.update_s),
-            old_logprobs_s: m(|s| s.old_logprobs_s),
-            forward_s: m(|s| s.forward_s),
-            backward_s: m(|s| s.backward_s),
-            optimizer_s: m(|s| s.optimizer_s),
-            tokens_computed: m(|s| s.tokens_computed),
-            tokens_unique: m(|s| s.tokens_unique),
-            peak_rss_mb: steps.iter().map(|s| s.peak_rss_mb).fold(0.0, f64::max),
-        }
+    fn with_peak(self, peak_rss_mb: f64) -> Self {
+        Self { peak_rss_mb, ..self }
     }
 
     fn row(&self, label: &str) -> String {

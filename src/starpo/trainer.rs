@@ -224,7 +224,8 @@ pub fn train(opts: Options) -> Result<Summary> {
         }
         let t_step = Instant::now();
         phase::take(); // what ran between steps (validation, checkpoints) is not this step's
-                       // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
+
+        // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
         for update in watcher.poll() {
             match update {
                 Update::Swapped { path, loaded, .. } => {

@@ -230,16 +230,17 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
         }
         for mb in order.chunks(mb_size) {
             let weight = |rows: usize| rows as f64 / mb.len() as f64;
+            let passes = micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)?;
             // Critic.
             let mut vloss = 0.0;
             if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
                 let mut grads = None;
-                for (ids, tb) in micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)? {
+                for (ids, tb) in &passes {
                     let t = tb.len;
                     let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                     let (ov, rt, mk) = (pick(&old_v), pick(&ret), pick(&mask_f));
                     let scaled = phase::timed(Phase::Forward, || -> Result<Tensor> {
-                        let values = align_values(&c.values(&tb)?)?;
+                        let values = align_values(&c.values(tb)?)?;
                         let l = value_loss(
                             &values,
                             &rows_tensor(&ov, t, &dev)?,
@@ -261,7 +262,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             // Actor.
             let mut grads = None;
             let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
-            for (ids, tb) in micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)? {
+            for (ids, tb) in &passes {
                 let t = tb.len;
                 let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                 let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
@@ -275,7 +276,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     None
                 };
                 // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
-                let (_, g) = policy.loss_and_grads(&tb, |scored| {
+                let (_, g) = policy.loss_and_grads(tb, |scored| {
                     let old = old.unwrap_or_else(|| scored.logprobs.detach());
                     let (pg, clipped, _) =
                         clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
@@ -295,6 +296,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     Ok((loss * w)?)
                 })?;
                 phase::timed(Phase::Backward, || accumulate_grads(&mut grads, g, &m.actor_opt.vars()))?;
+                phase::add_tokens(tb.tokens_computed());
                 stats.tokens += tb.tokens_computed();
             }
             let norm = match grads {
