@@ -1,8 +1,13 @@
 use clap::Parser;
 
+// `Counted` tallies each thread's allocations so the script sandbox can enforce
+// `Limits::max_memory` (src/script/memory.rs); it forwards every call unchanged.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: ragen_lab::script::Counted<mimalloc::MiMalloc> = ragen_lab::script::Counted(mimalloc::MiMalloc);
+#[cfg(not(feature = "mimalloc"))]
+#[global_allocator]
+static GLOBAL: ragen_lab::script::Counted<std::alloc::System> = ragen_lab::script::Counted(std::alloc::System);
 
 /// Keep freed memory for reuse instead of returning it to the OS. A training step frees and
 /// re-allocates gigabytes of same-sized tensors; returned pages come back as fresh page faults

@@ -5,38 +5,48 @@
 //! Scripts get Rhai's standard library and the `rng::` helpers, nothing else: no files, network
 //! or processes. `eval` is disabled, undefined variables and missing map keys are errors, and
 //! every call runs under operation, depth, size and wall-clock limits.
-use std::cell::{Cell, RefCell};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rhai::packages::{Package, StandardPackage};
-use rhai::{CallFnOptions, Dynamic, Engine, EvalAltResult, FuncArgs, Module, ModuleResolver, Position, Scope, AST};
+use rhai::{CallFnOptions, Dynamic, Engine, EvalAltResult, FuncArgs, Scope, AST};
 use sha2::{Digest, Sha256};
 
-use super::error::{display_path, ScriptError};
-use super::rng_module;
+use super::error::{display_path, ErrorKind, ScriptError};
+use super::resolver::{self, read_script, ConfinedResolver};
+use super::{rng_module, sandbox, stdlib};
 use crate::rng::Rng;
 
 /// The folders under the project directory that hold scripts; imports may only name files here.
 pub const SCRIPT_ROOTS: [&str; 4] = ["envs", "prompts", "rewards", "scripts"];
 
-/// Sandbox limits, applied to every call (and to compiling imported modules).
+/// Sandbox limits, applied to every call and every compile (imports included). README.md, "The
+/// sandbox and its limits", lists them with their defaults.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Limits {
-    /// Rhai operations per call (roughly AST nodes visited; ~30 M/s).
+    /// Rhai operations per call, counted over the whole call including imported modules
+    /// (roughly AST nodes visited; ~30 M/s).
     pub max_operations: u64,
     /// Nesting of script function calls (recursion depth).
     pub max_call_levels: usize,
     /// Nesting of expressions at global level and inside functions.
     pub max_expr_depth: usize,
-    /// Bytes in one string.
+    /// Bytes in one string; also all the strings one returned value or state holds together.
     pub max_string_size: usize,
-    /// Elements in one array.
+    /// Elements in one array (nested ones counted).
     pub max_array_size: usize,
-    /// Entries in one object map.
+    /// Entries in one object map (nested ones counted).
     pub max_map_size: usize,
-    /// Wall-clock budget of one call.
+    /// Nesting depth of a value handed back to the host (a return value, an episode's state).
+    pub max_depth: usize,
+    /// Bytes a call may allocate and hold (counted by the allocator, see `script::Counted`).
+    pub max_memory: usize,
+    /// Bytes of `print`/`debug` output per call; the rest is dropped with a note.
+    pub max_output: usize,
+    /// Size of one script file.
+    pub max_script_bytes: usize,
+    /// Wall-clock budget of one call (and of one compile, imports included).
     pub call_timeout: Duration,
 }
 
@@ -49,30 +59,12 @@ impl Default for Limits {
             max_string_size: 1 << 20,
             max_array_size: 100_000,
             max_map_size: 10_000,
+            max_depth: 32,
+            max_memory: 256 << 20,
+            max_output: 64 << 10,
+            max_script_bytes: 1 << 20,
             call_timeout: Duration::from_secs(2),
         }
-    }
-}
-
-thread_local! {
-    /// Deadline of the call running on this thread (read by the engine's progress callback).
-    static DEADLINE: Cell<Option<Instant>> = const { Cell::new(None) };
-    /// Files read by the resolver during the compile running on this thread: (path, source).
-    static IMPORTS: RefCell<Vec<(PathBuf, String)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Sets this thread's deadline for the duration of a call; restores the outer one after.
-struct DeadlineGuard(Option<Instant>);
-
-impl DeadlineGuard {
-    fn start(timeout: Duration) -> Self {
-        Self(DEADLINE.with(|d| d.replace(Some(Instant::now() + timeout))))
-    }
-}
-
-impl Drop for DeadlineGuard {
-    fn drop(&mut self) {
-        DEADLINE.with(|d| d.set(self.0));
     }
 }
 
@@ -96,6 +88,8 @@ impl Host {
         let project = project.canonicalize().unwrap_or(project);
         let mut engine = Engine::new_raw();
         engine.register_global_module(StandardPackage::new().as_shared_module());
+        // Registered after the standard package, so its replacements win.
+        engine.register_global_module(stdlib::module().into());
         engine.register_static_module("rng", rng_module::module().into());
         engine
             .set_max_operations(limits.max_operations)
@@ -108,17 +102,10 @@ impl Host {
             .set_strict_variables(true)
             .set_fail_on_invalid_map_property(true)
             .disable_symbol("eval");
-        engine.on_progress(|ops| {
-            // Checking the clock every 1024 operations costs nothing measurable.
-            if ops % 1024 == 0 && DEADLINE.with(|d| d.get()).is_some_and(|t| Instant::now() > t) {
-                Some(Dynamic::UNIT)
-            } else {
-                None
-            }
-        });
-        engine.on_print(|s| eprintln!("[script] {s}"));
-        engine.on_debug(|s, src, pos| eprintln!("[script] {}:{}: {s}", src.unwrap_or("?"), pos.line().unwrap_or(0)));
-        engine.set_module_resolver(ConfinedResolver { project: project.clone() });
+        engine.on_progress(sandbox::on_progress);
+        engine.on_print(sandbox::emit);
+        engine.on_debug(|s, src, pos| sandbox::emit(&format!("{}:{}: {s}", src.unwrap_or("?"), pos.line().unwrap_or(0))));
+        engine.set_module_resolver(ConfinedResolver { project: project.clone(), max_script_bytes: limits.max_script_bytes });
         Arc::new(Self { engine, project, limits })
     }
 
@@ -151,33 +138,23 @@ impl Host {
         let full = self.resolve_path(path);
         let full = full.canonicalize().unwrap_or(full);
         let name = display_path(&full, &self.project);
-        let source = std::fs::read_to_string(&full)
-            .map_err(|e| ScriptError::new(&name, format!("cannot read the script: {e}")))?;
+        let source = read_script(&full, self.limits.max_script_bytes)
+            .map_err(|e| ScriptError::new(&name, format!("cannot load the script: {e}")).kind(ErrorKind::File))?;
         self.compile_source(&full, &source)
     }
 
-    /// Compiles `source` as if read from `path` (tests and `new` use this directly).
+    /// Compiles `source` as if read from `path` (tests and `new` use this directly). Imports are
+    /// resolved now, under the call limits, and become part of the version.
     pub fn compile_source(self: &Arc<Self>, path: &Path, source: &str) -> Result<Arc<Script>, ScriptError> {
         let name = display_path(path, &self.project);
-        IMPORTS.with(|i| i.borrow_mut().clear());
-        let _deadline = DeadlineGuard::start(self.limits.call_timeout);
-        let compiled = self.engine.compile_into_self_contained(&Scope::new(), source);
-        let imports = IMPORTS.with(|i| std::mem::take(&mut *i.borrow_mut()));
-        let mut ast = compiled.map_err(|err| match *err {
-            EvalAltResult::ErrorParsing(ref kind, pos) => ScriptError::at(&name, pos, format!("syntax error: {kind}")),
-            ref other => {
-                // Imports are resolved without a position: point at the `import` line ourselves.
-                let mut e = ScriptError::from_eval(&name, other);
-                if e.line == 0 || e.path != name {
-                    if let Some((line, col)) = import_position(source, other) {
-                        e.call_chain.insert(0, format!("import at {name}:{line}:{col}"));
-                        if e.path == name {
-                            (e.line, e.col) = (line, col);
-                        }
-                    }
-                }
-                e
+        let (compiled, imports) = resolver::compiling(&name, source, || {
+            sandbox::run(&self.limits, || self.engine.compile_into_self_contained(&Scope::new(), source))
+        });
+        let mut ast = compiled.map_err(|err| {
+            if let EvalAltResult::ErrorParsing(ref kind, pos) = *err {
+                return ScriptError::at(&name, pos, format!("syntax error: {kind}")).kind(ErrorKind::Syntax);
             }
+            ScriptError::from_eval(&name, &err)
         })?;
         ast.set_source(name.as_str());
         let mut hasher = Sha256::new();
@@ -189,6 +166,7 @@ impl Host {
             sources.push(p.clone());
         }
         let hash = hex::encode(hasher.finalize());
+        let imports = imports.into_iter().map(|(p, text)| (display_path(&p, &self.project), text)).collect();
         Ok(Arc::new(Script {
             host: self.clone(),
             path: path.to_path_buf(),
@@ -197,24 +175,9 @@ impl Host {
             hash,
             sources,
             source: source.to_string(),
+            imports,
         }))
     }
-}
-
-/// Finds `import "<path>"` in the source for an import failure (Rhai resolves without positions).
-fn import_position(source: &str, err: &EvalAltResult) -> Option<(usize, usize)> {
-    let needle = match err {
-        EvalAltResult::ErrorModuleNotFound(p, ..) => p.clone(),
-        EvalAltResult::ErrorInModule(p, ..) => p.clone(),
-        // The resolver's own refusals start with `import "<path>"`.
-        EvalAltResult::ErrorRuntime(m, ..) => m.to_string().strip_prefix("import \"")?.split('"').next()?.to_string(),
-        _ => return None,
-    };
-    let stem = needle.trim_end_matches(".rhai");
-    source.lines().enumerate().find_map(|(i, l)| {
-        let at = l.find("import")?;
-        l[at..].contains(stem).then_some((i + 1, at + 1))
-    })
 }
 
 /// The project directory of a script path (see [`Host::for_script`]).
@@ -225,64 +188,6 @@ pub fn project_of(script: &Path) -> PathBuf {
         Some(n) if SCRIPT_ROOTS.contains(&n) => dir.parent().map(Path::to_path_buf).unwrap_or(dir),
         _ if dir.as_os_str().is_empty() => PathBuf::from("."),
         _ => dir,
-    }
-}
-
-/// Imports name a file under one of [`SCRIPT_ROOTS`], relative to the project: `import "envs/grid" as grid;`.
-struct ConfinedResolver {
-    project: PathBuf,
-}
-
-impl ConfinedResolver {
-    fn locate(&self, path: &str) -> Result<PathBuf, String> {
-        let rel = Path::new(path);
-        let roots = SCRIPT_ROOTS.map(|r| format!("{r}/")).join(", ");
-        if rel.is_absolute() || path.starts_with('/') || path.contains('\\') {
-            return Err(format!(
-                "import \"{path}\": absolute paths are not allowed; name a file under {roots} relative to the project"
-            ));
-        }
-        if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-            return Err(format!(
-                "import \"{path}\": `..` and `.` are not allowed in import paths; name a file under {roots}"
-            ));
-        }
-        let first = rel.components().next().and_then(|c| c.as_os_str().to_str()).unwrap_or("");
-        if !SCRIPT_ROOTS.contains(&first) || rel.components().count() < 2 {
-            return Err(format!("import \"{path}\": imports must name a file under {roots} (e.g. \"envs/grid\")"));
-        }
-        let mut full = self.project.join(rel);
-        if full.extension().is_none() {
-            full.set_extension("rhai");
-        }
-        let canon = full.canonicalize().map_err(|_| format!("import \"{path}\": no such file {}", full.display()))?;
-        let root = self.project.join(first).canonicalize().unwrap_or_else(|_| self.project.join(first));
-        if !canon.starts_with(&root) {
-            return Err(format!("import \"{path}\": the file lies outside {first}/ (through a link); imports must stay inside the script folders"));
-        }
-        Ok(canon)
-    }
-}
-
-impl ModuleResolver for ConfinedResolver {
-    fn resolve(
-        &self,
-        engine: &Engine,
-        _source: Option<&str>,
-        path: &str,
-        pos: Position,
-    ) -> Result<rhai::Shared<Module>, Box<EvalAltResult>> {
-        let full = self.locate(path).map_err(|m| EvalAltResult::ErrorRuntime(m.into(), pos))?;
-        let name = display_path(&full, &self.project);
-        let text = std::fs::read_to_string(&full).map_err(|e| {
-            EvalAltResult::ErrorRuntime(format!("import \"{path}\": cannot read {name}: {e}").into(), pos)
-        })?;
-        IMPORTS.with(|i| i.borrow_mut().push((full.clone(), text.clone())));
-        let in_module = |err: Box<EvalAltResult>| Box::new(EvalAltResult::ErrorInModule(name.clone(), err, pos));
-        let mut ast = engine.compile(&text).map_err(|e| in_module(Box::new(EvalAltResult::ErrorParsing(*e.0, e.1))))?;
-        ast.set_source(name.as_str());
-        let module = Module::eval_ast_as_new(Scope::new(), &ast, engine).map_err(in_module)?;
-        Ok(module.into())
     }
 }
 
@@ -298,6 +203,8 @@ pub struct Script {
     /// The script and every file it imports (the watcher recompiles when any changes).
     pub sources: Vec<PathBuf>,
     source: String,
+    /// The imported files as compiled in: (name relative to the project, source).
+    imports: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for Script {
@@ -346,27 +253,57 @@ impl Script {
         }
     }
 
-    /// Calls a script function under the limits. `rng` is what `rng::` draws from during the
+    /// The source this version was compiled from (not re-read from disk).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The imported files compiled into this version: (name relative to the project, source).
+    pub fn imports(&self) -> &[(String, String)] {
+        &self.imports
+    }
+
+    /// Calls a script function under the limits ([`sandbox::run`]); the value it returns is
+    /// checked with everything it holds counted. `rng` is what `rng::` draws from during the
     /// call (absent: `rng::` functions fail, keeping render and friends deterministic).
     pub fn call(&self, name: &str, args: impl FuncArgs, rng: Option<&mut Rng>) -> Result<Dynamic, ScriptError> {
-        let _deadline = DeadlineGuard::start(self.host.limits.call_timeout);
         let _rng = rng_module::RngGuard::lend(rng);
-        let mut scope = Scope::new();
-        self.host
-            .engine
-            .call_fn_with_options::<Dynamic>(CallFnOptions::new(), &mut scope, &self.ast, name, args)
-            .map_err(|e| {
-                let mut err = ScriptError::from_eval(&self.name, &e);
-                // Limit errors (operations, depth, sizes, time) carry no position: point at the
-                // innermost function's definition instead.
-                if err.line == 0 && err.path == self.name {
-                    let innermost = err.call_chain.last().and_then(|c| c.split(' ').next()).unwrap_or(name);
-                    if let Some((line, col)) = fn_position(&self.source, innermost) {
-                        (err.line, err.col) = (line, col);
-                    }
+        let engine = &self.host.engine;
+        let v = sandbox::run(&self.host.limits, || {
+            engine.call_fn_with_options::<Dynamic>(CallFnOptions::new(), &mut Scope::new(), &self.ast, name, args)
+        })
+        .map_err(|e| {
+            let mut err = ScriptError::from_eval(&self.name, &e);
+            // Limit errors (operations, time, memory) carry no position: point at the
+            // innermost function's definition instead.
+            if err.line == 0 && err.path == self.name {
+                let innermost = err.call_chain.last().and_then(|c| c.split(' ').next()).unwrap_or(name);
+                if let Some((line, col)) = fn_position(&self.source, innermost) {
+                    (err.line, err.col) = (line, col);
                 }
-                err.context(format!("in {name}"))
-            })
+            }
+            err.version = self.version().to_string();
+            err.context(format!("in {name}"))
+        })?;
+        self.check_value(name, &v)?;
+        Ok(v)
+    }
+
+    /// Checks a value `fname` handed back (or left in its arguments, like an episode's state)
+    /// against the size and depth limits, closures and curried values counted.
+    pub fn check_value(&self, fname: &str, v: &Dynamic) -> Result<(), ScriptError> {
+        sandbox::check_value(v, &self.host.limits).map_err(|(kind, m)| self.error_in(fname, kind, format!("{fname}: {m}")))
+    }
+
+    /// An error about what `fname` did (a wrong return shape, a value too large), placed at the
+    /// function's definition.
+    pub fn error_in(&self, fname: &str, kind: ErrorKind, message: impl std::fmt::Display) -> ScriptError {
+        let mut e = ScriptError::new(&self.name, message.to_string()).kind(kind);
+        if let Some((line, col)) = fn_position(&self.source, fname) {
+            (e.line, e.col) = (line, col);
+        }
+        e.version = self.version().to_string();
+        e
     }
 }
 

@@ -12,7 +12,8 @@ use rhai::Dynamic;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::error::ScriptError;
+use super::engine::Script;
+use super::error::{ErrorKind, ScriptError};
 use super::params;
 use crate::rng::Rng;
 
@@ -59,9 +60,35 @@ pub struct EnvInfo {
     pub extra: Map<String, Value>,
 }
 
+/// The most turns, actions per turn and actions per episode an env may declare (an episode is
+/// played to its end inside one training step, and `check` plays several).
+pub const MAX_TURNS: u64 = 100;
+pub const MAX_ACTIONS_PER_TURN: u64 = 100;
+pub const MAX_ACTIONS: u64 = 10_000;
+
+/// Rewards beyond ±this are refused: a group's scores must stay far from f64 overflow when they
+/// are summed and normalised.
+pub const MAX_REWARD: f64 = 1e9;
+
+/// A reward a script returned, as a finite number within ±[`MAX_REWARD`].
+pub(crate) fn reward_value(v: &Dynamic, what: &str) -> Result<f64, String> {
+    let r = match v {
+        v if v.is_int() => v.as_int().unwrap_or(0) as f64,
+        v if v.is_float() => v.as_float().unwrap_or(f64::NAN),
+        v => return Err(format!("{what} must be a number; got {}", type_word(v))),
+    };
+    if !r.is_finite() {
+        return Err(format!("{what} is {r}; rewards must be finite numbers (check for a division by zero)"));
+    }
+    if r.abs() > MAX_REWARD {
+        return Err(format!("{what} is {r}, beyond ±{MAX_REWARD:e}; scale it down"));
+    }
+    Ok(r)
+}
+
 impl EnvInfo {
-    fn from_value(script: &str, v: Value) -> Result<Self, ScriptError> {
-        let err = |m: String| ScriptError::new(script, format!("describe must return {m}"));
+    fn from_value(script: &Script, v: Value) -> Result<Self, ScriptError> {
+        let err = |m: String| script.error_in("describe", ErrorKind::Contract, format!("describe must return {m}"));
         let Value::Object(mut m) = v else {
             return Err(err(format!(
                 "a map like #{{name: \"grid\", instruction: \"…\", actions: [\"Up\", …]}}; got {v}"
@@ -89,18 +116,19 @@ impl EnvInfo {
                 .collect::<Result<_, _>>()?,
             Some(other) => return Err(err(format!("`actions` as an array of strings; got {other}"))),
         };
-        let mut take_count = |key: &str| -> Result<Option<usize>, ScriptError> {
+        let mut take_count = |key: &str, max: u64| -> Result<Option<usize>, ScriptError> {
             match m.remove(key) {
                 None => Ok(None),
-                Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => {
+                Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0 && n <= max) => {
                     Ok(Some(n.as_u64().unwrap_or(1) as usize))
                 }
-                Some(other) => Err(err(format!("`{key}` as a positive integer; got {other}"))),
+                Some(other) => Err(err(format!("`{key}` as an integer from 1 to {max}; got {other}"))),
             }
         };
-        let max_turns = take_count("max_turns")?.unwrap_or(5);
-        let per_turn = take_count("max_actions_per_turn")?.unwrap_or(if actions.is_empty() { 1 } else { 5 });
-        let max_actions = take_count("max_actions")?.unwrap_or(max_turns * per_turn);
+        let max_turns = take_count("max_turns", MAX_TURNS)?.unwrap_or(5);
+        let per_turn =
+            take_count("max_actions_per_turn", MAX_ACTIONS_PER_TURN)?.unwrap_or(if actions.is_empty() { 1 } else { 5 });
+        let max_actions = take_count("max_actions", MAX_ACTIONS)?.unwrap_or(max_turns * per_turn);
         Ok(Self {
             name,
             actions,
@@ -129,18 +157,10 @@ pub struct StepOutcome {
 const STEP_SHAPE: &str = "#{reward: <number>, done: <bool>} with optional `success`, `valid`, `effective` (bools)";
 
 impl StepOutcome {
-    fn from_dynamic(script: &str, v: &Dynamic) -> Result<Self, ScriptError> {
-        let err = |m: String| ScriptError::new(script, format!("step must return a map {STEP_SHAPE}; {m}"));
+    fn from_dynamic(script: &Script, v: &Dynamic) -> Result<Self, ScriptError> {
+        let err = |m: String| script.error_in("step", ErrorKind::Contract, format!("step must return a map {STEP_SHAPE}; {m}"));
         let Some(map) = v.read_lock::<rhai::Map>() else {
             return Err(err(format!("got {}", type_word(v))));
-        };
-        let num = |k: &str| -> Result<Option<f64>, ScriptError> {
-            match map.get(k) {
-                None => Ok(None),
-                Some(x) if x.is_int() => Ok(Some(x.as_int().unwrap_or(0) as f64)),
-                Some(x) if x.is_float() => Ok(Some(x.as_float().unwrap_or(0.0))),
-                Some(x) => Err(err(format!("`{k}` is {}", type_word(x)))),
-            }
         };
         let flag = |k: &str| -> Result<Option<bool>, ScriptError> {
             match map.get(k) {
@@ -152,10 +172,8 @@ impl StepOutcome {
         {
             return Err(err(format!("unknown key `{k}`")));
         }
-        let reward = num("reward")?.ok_or_else(|| err("`reward` is missing".into()))?;
-        if !reward.is_finite() {
-            return Err(err(format!("`reward` is {reward}")));
-        }
+        let reward = map.get("reward").ok_or_else(|| err("`reward` is missing".into()))?;
+        let reward = reward_value(reward, "`reward`").map_err(|m| script.error_in("step", ErrorKind::Contract, m))?;
         let done = flag("done")?.ok_or_else(|| err("`done` is missing".into()))?;
         let valid = flag("valid")?.unwrap_or(true);
         Ok(Self {
@@ -186,8 +204,9 @@ impl EnvScript {
         let v = self.0.call("params", (), None)?;
         match to_json(&v) {
             Ok(Value::Object(m)) => Ok(m),
-            _ => Err(ScriptError::new(
-                self.name(),
+            _ => Err(self.0.error_in(
+                "params",
+                ErrorKind::Contract,
                 format!("params must return a map of defaults like #{{size: 6}}; got {}", type_word(&v)),
             )),
         }
@@ -205,9 +224,10 @@ impl EnvScript {
 
     pub fn info(&self, params: &Map<String, Value>) -> Result<EnvInfo, ScriptError> {
         let v = self.0.call("describe", (to_dynamic(params, self.name())?,), None)?;
-        let json = to_json(&v)
-            .map_err(|e| ScriptError::new(self.name(), format!("describe returned something unreadable: {e}")))?;
-        EnvInfo::from_value(self.name(), json)
+        let json = to_json(&v).map_err(|e| {
+            self.0.error_in("describe", ErrorKind::Contract, format!("describe returned something unreadable: {e}"))
+        })?;
+        EnvInfo::from_value(&self.0, json)
     }
 
     /// Starts an episode. The start state draws only from `Rng::new(seed)`, so every episode of a
@@ -217,8 +237,9 @@ impl EnvScript {
         let p = to_dynamic(params, self.name())?;
         let state = self.0.call("reset", (seed as rhai::INT, p), Some(&mut start))?;
         if !state.is_map() {
-            return Err(ScriptError::new(
-                self.name(),
+            return Err(self.0.error_in(
+                "reset",
+                ErrorKind::Contract,
                 format!("reset must return the state as a map like #{{player: 0}}; got {}", type_word(&state)),
             ));
         }
@@ -259,7 +280,7 @@ impl Episode {
         let v = self.env.0.call("render", (self.state.clone(),), None)?;
         let what = type_word(&v);
         v.into_string()
-            .map_err(|_| ScriptError::new(self.env.name(), format!("render must return a string; got {what}")))
+            .map_err(|_| self.env.0.error_in("render", ErrorKind::Contract, format!("render must return a string; got {what}")))
     }
 
     pub fn step(&mut self, action: &str) -> Result<StepOutcome, ScriptError> {
@@ -267,13 +288,17 @@ impl Episode {
             return Err(ScriptError::new(self.env.name(), "step called after the episode finished"));
         }
         let v = self.env.0.call("step", (self.state.clone(), action.to_string()), Some(&mut self.rng))?;
-        let out = StepOutcome::from_dynamic(self.env.name(), &v)?;
+        let out = StepOutcome::from_dynamic(&self.env.0, &v)?;
         if !self.state.is_map() {
-            return Err(ScriptError::new(
-                self.env.name(),
+            return Err(self.env.0.error_in(
+                "step",
+                ErrorKind::Contract,
                 format!("step replaced the state with {}; mutate the map's fields instead", type_word(&self.state)),
             ));
         }
+        // The state lives on between calls (a training step holds every episode's): check it
+        // with what its closures and curried values hold counted.
+        self.env.0.check_value("step", &self.state)?;
         self.steps += 1;
         self.done = out.done;
         Ok(out)
@@ -289,8 +314,17 @@ impl Episode {
             Ok(Value::Array(a)) if a.iter().all(Value::is_string) => {
                 Ok(a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
             }
-            _ => Err(ScriptError::new(
-                self.env.name(),
+            Ok(Value::Array(a)) => Err(self.env.0.error_in(
+                "valid_actions",
+                ErrorKind::Contract,
+                format!(
+                    "valid_actions must return an array of strings; found {}",
+                    a.iter().find(|x| !x.is_string()).map_or(String::new(), Value::to_string)
+                ),
+            )),
+            _ => Err(self.env.0.error_in(
+                "valid_actions",
+                ErrorKind::Contract,
                 format!("valid_actions must return an array of strings; got {}", type_word(&v)),
             )),
         }

@@ -5,9 +5,46 @@ use std::path::Path;
 
 use rhai::{EvalAltResult, ParseError, Position};
 
+use super::sandbox::{STOP_MEMORY, STOP_OPERATIONS, STOP_PANIC, STOP_TIME};
+
+/// What went wrong, for callers that branch on it (and tests that assert it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The source does not parse.
+    Syntax,
+    /// The script failed while running: `throw`, a type error, a missing variable or function.
+    Runtime,
+    /// The call ran past `Limits::max_operations`.
+    Operations,
+    /// The call ran past `Limits::call_timeout`.
+    Timeout,
+    /// The call allocated past `Limits::max_memory`.
+    Memory,
+    /// A string, array or map (or a value handed back, captured values counted) grew past its
+    /// size limit.
+    Size,
+    /// Recursion past `Limits::max_call_levels`, or a value nested past `Limits::max_depth`.
+    Depth,
+    /// An import was refused: outside the script folders, computed at run time, a cycle, too
+    /// deep, or not found.
+    Import,
+    /// The script file cannot be used: unreadable, not a regular file, too large, outside the
+    /// project's script folders.
+    File,
+    /// The script broke its contract with the host: a missing function, a wrong return shape,
+    /// a non-finite reward, an unknown parameter.
+    Contract,
+    /// The host itself failed on this input (a bug, caught at the sandbox boundary).
+    Panic,
+}
+
 /// A script failure located in its source file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScriptError {
+    pub kind: ErrorKind,
+    /// The version (16 hex digits) of the script whose call failed; empty when the failure is
+    /// not a call's (a compile, a missing file).
+    pub version: String,
     /// The script's path as the user named it (relative to the project when possible).
     pub path: String,
     /// 1-based; 0 when the failure has no position (e.g. a wrong return shape).
@@ -37,7 +74,21 @@ impl fmt::Display for ScriptError {
 impl ScriptError {
     /// An error about the script as a whole (missing function, wrong shape, bad parameter).
     pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { path: path.into(), line: 0, col: 0, message: message.into(), call_chain: Vec::new() }
+        Self {
+            kind: ErrorKind::Contract,
+            version: String::new(),
+            path: path.into(),
+            line: 0,
+            col: 0,
+            message: printable(&message.into(), MAX_MESSAGE),
+            call_chain: Vec::new(),
+        }
+    }
+
+    /// The same error with another kind.
+    pub fn kind(mut self, kind: ErrorKind) -> Self {
+        self.kind = kind;
+        self
     }
 
     pub fn at(path: impl Into<String>, pos: Position, message: impl Into<String>) -> Self {
@@ -52,7 +103,7 @@ impl ScriptError {
     }
 
     pub fn from_parse(path: &str, err: &ParseError) -> Self {
-        Self::at(path, err.position(), format!("syntax error: {}", err.0))
+        Self::at(path, err.position(), format!("syntax error: {}", err.0)).kind(ErrorKind::Syntax)
     }
 
     /// Unwraps Rhai's nested `ErrorInFunctionCall`/`ErrorInModule` layers: the innermost error
@@ -79,7 +130,7 @@ impl ScriptError {
                 _ => break,
             }
         }
-        let mut e = Self::at(file, cur.position(), describe(cur));
+        let mut e = Self::at(file, cur.position(), describe(cur)).kind(kind_of(cur));
         e.call_chain = chain;
         e
     }
@@ -89,6 +140,49 @@ impl ScriptError {
         self.message = format!("{what}: {}", self.message);
         self
     }
+}
+
+fn kind_of(err: &EvalAltResult) -> ErrorKind {
+    match err {
+        EvalAltResult::ErrorParsing(..) => ErrorKind::Syntax,
+        EvalAltResult::ErrorTooManyOperations(..) => ErrorKind::Operations,
+        EvalAltResult::ErrorStackOverflow(..) => ErrorKind::Depth,
+        EvalAltResult::ErrorDataTooLarge(..) => ErrorKind::Size,
+        EvalAltResult::ErrorTooManyModules(..) | EvalAltResult::ErrorModuleNotFound(..) => ErrorKind::Import,
+        EvalAltResult::ErrorTerminated(token, ..) => match token.clone().into_string().unwrap_or_default().as_str() {
+            STOP_TIME => ErrorKind::Timeout,
+            STOP_MEMORY => ErrorKind::Memory,
+            STOP_OPERATIONS => ErrorKind::Operations,
+            t if t.starts_with(STOP_PANIC) => ErrorKind::Panic,
+            _ => ErrorKind::Runtime,
+        },
+        // The import resolver's refusals start with `import "<path>"`.
+        EvalAltResult::ErrorRuntime(v, ..) if v.clone().into_string().is_ok_and(|m| m.starts_with("import \"")) => {
+            ErrorKind::Import
+        }
+        _ => ErrorKind::Runtime,
+    }
+}
+
+/// Messages are cut to this many bytes (a script can throw a megabyte).
+const MAX_MESSAGE: usize = 2000;
+
+/// `text` safe for a terminal and a log line: control characters escaped (`\u{1b}`), cut at
+/// `max` bytes with an ellipsis.
+pub(crate) fn printable(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max));
+    for c in text.chars() {
+        if out.len() >= max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() && c != '\n' && c != '\t' {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn loc(file: &str, pos: Position) -> String {
@@ -101,7 +195,20 @@ fn loc(file: &str, pos: Position) -> String {
 
 /// Rhai's message, lowercased at the start, with a hint for the limits a sandbox user hits.
 fn describe(err: &EvalAltResult) -> String {
+    let stop = match err {
+        EvalAltResult::ErrorTerminated(token, ..) => token.clone().into_string().unwrap_or_default(),
+        _ => String::new(),
+    };
     let hint = match err {
+        EvalAltResult::ErrorTerminated(..) if stop == STOP_OPERATIONS => {
+            " (the script ran past its operation budget, imports included: an endless loop? raise Limits::max_operations if it is real work)"
+        }
+        EvalAltResult::ErrorTerminated(..) if stop == STOP_MEMORY => {
+            " (the call holds more memory than Limits::max_memory allows; closures and curried values count)"
+        }
+        EvalAltResult::ErrorTerminated(..) if stop.starts_with(STOP_PANIC) => {
+            " (the host failed on this input and stopped the call; please report it)"
+        }
         EvalAltResult::ErrorTooManyOperations(..) => {
             " (the script ran past its operation budget: an endless loop? raise Limits::max_operations if it is real work)"
         }
@@ -116,7 +223,10 @@ fn describe(err: &EvalAltResult) -> String {
         _ => "",
     };
     let text = match err {
-        EvalAltResult::ErrorTerminated(..) => "call timed out".to_string(),
+        EvalAltResult::ErrorTerminated(..) if stop == STOP_TIME => "call timed out".to_string(),
+        EvalAltResult::ErrorTerminated(..) if stop == STOP_MEMORY => "out of memory".to_string(),
+        EvalAltResult::ErrorTerminated(..) if stop == STOP_OPERATIONS => "too many operations".to_string(),
+        EvalAltResult::ErrorTerminated(..) => format!("host error: {stop}"),
         EvalAltResult::ErrorRuntime(v, ..) if v.is_string() => v.clone().into_string().unwrap_or_default(),
         _ => {
             let full = err.to_string();

@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use super::engine::Host;
 use super::env::{to_json, type_word, EnvScript};
-use super::error::ScriptError;
+use super::error::{ErrorKind, ScriptError};
 use super::prompt::PromptScript;
 use super::reward::RewardScript;
 
@@ -45,9 +45,10 @@ impl Experiment {
     pub fn load(host: &Arc<Host>, path: &Path) -> Result<Self, ScriptError> {
         let script = host.compile(path)?;
         script.require_fns(&[("experiment", &[])])?;
-        let name = script.name.clone();
         let v = script.call("experiment", (), None)?;
-        let err = |m: String| ScriptError::new(&name, format!("experiment must return a map like {SHAPE}; {m}"));
+        let err = |m: String| {
+            script.error_in("experiment", ErrorKind::Contract, format!("experiment must return a map like {SHAPE}; {m}"))
+        };
         let Ok(Value::Object(mut m)) = to_json(&v) else {
             return Err(err(format!("got {}", type_word(&v))));
         };
@@ -57,14 +58,9 @@ impl Experiment {
                 None => return Err(err(format!("`{key}` is missing"))),
                 Some(other) => return Err(err(format!("`{key}` must be a path string; got {other}"))),
             };
-            let full = host.project().join(&p);
-            if !full.is_file() {
-                return Err(ScriptError::new(
-                    &name,
-                    format!("`{key}`: no such script {p} (paths are relative to {})", host.project().display()),
-                ));
-            }
-            Ok(full)
+            // Confined like imports: a file under the project's script folders, nothing else.
+            crate::script::confine(host.project(), &p, &format!("`{key}`: {p:?}"))
+                .map_err(|m| script.error_in("experiment", ErrorKind::File, m))
         };
         let env = file(&mut m, "env")?;
         let prompt = file(&mut m, "prompt")?;

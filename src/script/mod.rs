@@ -44,10 +44,16 @@ macro_rules! script_role {
 
 mod engine;
 mod error;
+pub mod memory;
+mod resolver;
 mod rng_module;
+mod sandbox;
+mod stdlib;
 
 pub use engine::{project_of, Host, Limits, Script, SCRIPT_ROOTS};
-pub use error::ScriptError;
+pub use error::{ErrorKind, ScriptError};
+pub use memory::Counted;
+pub use resolver::{confine, read_script, MAX_IMPORT_DEPTH};
 mod env;
 pub mod params;
 

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::env::{to_dynamic, type_word, EnvInfo};
-use super::error::ScriptError;
+use super::error::{ErrorKind, ScriptError};
 
 /// What a template knows about the turn it writes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -32,7 +32,7 @@ script_role! {
 impl PromptScript {
     fn text(&self, f: &str, v: rhai::Dynamic) -> Result<String, ScriptError> {
         let what = type_word(&v);
-        v.into_string().map_err(|_| ScriptError::new(&self.0.name, format!("{f} must return a string; got {what}")))
+        v.into_string().map_err(|_| self.0.error_in(f, ErrorKind::Contract, format!("{f} must return a string; got {what}")))
     }
 
     pub fn system(&self, info: &EnvInfo) -> Result<String, ScriptError> {

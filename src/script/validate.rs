@@ -32,14 +32,16 @@ impl Role {
         }
     }
 
-    /// Guesses the role from the functions a compiled script defines.
+    /// Guesses the role from the names of the functions a compiled script defines (any arity,
+    /// so a `shape` with the wrong parameters is reported as a reward script's mistake).
     pub fn detect(host: &Arc<Host>, path: &Path) -> Result<Role, ScriptError> {
         let s = host.compile(path)?;
-        Ok(if s.has_fn("experiment", 0) {
+        let has = |name: &str| (0..=4).any(|arity| s.has_fn(name, arity));
+        Ok(if has("experiment") {
             Role::Experiment
-        } else if s.has_fn("shape", 2) {
+        } else if has("shape") {
             Role::Reward
-        } else if s.has_fn("user", 2) || s.has_fn("system", 1) {
+        } else if has("user") || has("system") {
             Role::Prompt
         } else {
             Role::Env

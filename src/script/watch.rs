@@ -19,7 +19,8 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::engine::Host;
-use super::error::ScriptError;
+use super::resolver::read_script;
+use super::error::{ErrorKind, ScriptError};
 use super::validate::{self, Loaded, Role};
 
 /// How changes are noticed.
@@ -49,13 +50,17 @@ struct Entry {
     fingerprint: String,
 }
 
+/// Larger files are not scripts the host would compile; they fingerprint by their error.
+const MAX_FINGERPRINT_BYTES: usize = 16 << 20;
+
 fn fingerprint(files: &[PathBuf]) -> String {
     let mut h = Sha256::new();
     for f in files {
         h.update(f.to_string_lossy().as_bytes());
-        match std::fs::read(f) {
-            Ok(bytes) => h.update(&bytes),
-            Err(_) => h.update(b"\0missing"),
+        // Never blocks (a FIFO put in a script's place) and never reads a huge file whole.
+        match read_script(f, MAX_FINGERPRINT_BYTES) {
+            Ok(text) => h.update(text.as_bytes()),
+            Err(e) => h.update(e.as_bytes()),
         }
     }
     hex::encode(h.finalize())
@@ -129,7 +134,8 @@ impl Watcher {
             WatchMode::Events => None,
         };
         let stop2 = stop.clone();
-        let worker = std::thread::Builder::new().name("script-watcher".into()).spawn(move || {
+        // Smoke tests run scripts here: give them the main thread's stack, not a worker's 2 MiB.
+        let worker = std::thread::Builder::new().name("script-watcher".into()).stack_size(16 << 20).spawn(move || {
             let mut entries = entries;
             while !stop2.load(Ordering::Relaxed) {
                 let got = match interval {
@@ -189,7 +195,14 @@ fn recheck(host: &Arc<Host>, e: &mut Entry) -> Option<Update> {
         return None;
     }
     e.fingerprint = now;
-    Some(match validate::load(host, &e.path, e.role, &e.params) {
+    // Script calls catch their own panics; this catches the host code around them, so a bad
+    // edit can never end live reload for the rest of the run.
+    let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| validate::load(host, &e.path, e.role, &e.params)))
+        .unwrap_or_else(|_| {
+            let name = e.path.display().to_string();
+            Err(ScriptError::new(name, "the host failed while checking this version; please report it").kind(ErrorKind::Panic))
+        });
+    Some(match loaded {
         Ok(loaded) => {
             // Imports may have changed: follow the new set from now on.
             e.sources = validate::sources(host, &loaded);
