@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 use std::process::Command;
 
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
-use ragen_lab::policy::logprob::accumulate_grads;
 use ragen_lab::policy::model::{KvCache, Mode};
 use ragen_lab::policy::{preset, Critic, Finish, GenerationConfig, Message, ModelLocation, Policy, TokenBatch};
 use ragen_lab::rng::Rng;
@@ -143,11 +143,11 @@ fn micro_batch_gradients_sum_to_the_full_batch_gradient() {
     let full = TokenBatch::new(&seqs, p.pad_id).unwrap();
     let vars = p.vars();
     let whole = total_logprob(&p, &full).backward().unwrap();
-    let mut acc = None;
+    // The trainer's path: each micro-batch's gradients added into one store.
+    let mut acc = GradStore::default();
     for mb in full.split(2) {
-        accumulate_grads(&mut acc, total_logprob(&p, &mb).backward().unwrap(), &vars).unwrap();
+        p.loss_and_grads(&mb, |s| Ok(s.logprobs.sum_all()?), &mut acc).unwrap();
     }
-    let acc = acc.unwrap();
     for v in &vars {
         let d = max_abs_diff(whole.get(v.as_tensor()).unwrap(), acc.get(v.as_tensor()).unwrap());
         assert!(d < 1e-4, "micro-batched gradient differs by {d}");
@@ -174,7 +174,8 @@ fn chunked_loss_and_grads_equal_plain_backward() {
         };
         let direct_loss = loss(&p.token_logprobs(&b).unwrap()).unwrap();
         let direct = direct_loss.backward().unwrap();
-        let (value, chunked) = p.loss_and_grads(&b, loss).unwrap();
+        let mut chunked = GradStore::default();
+        let value = p.loss_and_grads(&b, loss, &mut chunked).unwrap();
         assert!((value - direct_loss.to_scalar::<f32>().unwrap()).abs() < 1e-4);
         for (n, v) in p.model.named_vars() {
             let (a, c) = (direct.get(v.as_tensor()).unwrap(), chunked.get(v.as_tensor()).unwrap());
@@ -361,9 +362,10 @@ fn critic_values_train_and_round_trip() {
     let p = load("tiny-qwen2");
     let critic = Critic::from_policy(&p, 3).unwrap();
     let b = batch(&p);
-    let v = critic.values(&b).unwrap();
+    let v = critic.values_no_grad(&b).unwrap();
     assert_eq!(v.dims(), &[b.rows, b.len]);
-    let grads = v.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let mut grads = GradStore::default();
+    critic.loss_and_grads(&b, |v| Ok(v.sqr()?.sum_all()?), &mut grads).unwrap();
     for (n, var) in critic.named_vars() {
         assert!(grads.get(var.as_tensor()).is_some(), "critic: no gradient for {n}");
     }
@@ -371,7 +373,7 @@ fn critic_values_train_and_round_trip() {
     let tmp = tempfile::tempdir().unwrap();
     critic.save(tmp.path()).unwrap();
     let back = Critic::load(tmp.path(), &Device::Cpu).unwrap();
-    assert_eq!(max_abs_diff(&back.values(&b).unwrap(), &v), 0.0);
+    assert_eq!(max_abs_diff(&back.values_no_grad(&b).unwrap(), &v), 0.0);
 }
 
 fn cli(args: &[&str]) -> std::process::Output {
@@ -457,8 +459,9 @@ fn a_shared_prefix_runs_once_and_scores_and_gradients_are_unchanged() {
         let loss = |s: &ragen_lab::policy::Scored| -> anyhow::Result<Tensor> {
             Ok(((s.logprobs.exp()? * &mask)?.sum_all()? + ((&s.entropy * &mask)?.sum_all()? * 0.1)?)?)
         };
-        let (va, ga) = p.loss_and_grads(&plain, loss).unwrap();
-        let (vb, gb) = p.loss_and_grads(&shared, loss).unwrap();
+        let (mut ga, mut gb) = (GradStore::default(), GradStore::default());
+        let va = p.loss_and_grads(&plain, loss, &mut ga).unwrap();
+        let vb = p.loss_and_grads(&shared, loss, &mut gb).unwrap();
         assert!((va - vb).abs() < 1e-4, "{name}: loss {va} vs {vb}");
         for (n, v) in p.model.named_vars() {
             let d = max_abs_diff(ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
@@ -466,9 +469,56 @@ fn a_shared_prefix_runs_once_and_scores_and_gradients_are_unchanged() {
         }
         // The critic's values on the replies, too.
         let critic = Critic::from_policy(&p, 3).unwrap();
-        let (va, vb) = (critic.values(&plain).unwrap(), critic.values(&shared).unwrap());
+        let (va, vb) = (critic.values_no_grad(&plain).unwrap(), critic.values_no_grad(&shared).unwrap());
         let from = |t: &Tensor| t.narrow(1, first_reply - 1, plain.len - first_reply + 1).unwrap();
         assert!(max_abs_diff(&from(&va), &from(&vb)) < 1e-5, "{name}: critic values differ");
+    }
+}
+
+/// Gradients of a PPO-like loss on the replies for the policy and of a value loss for the critic.
+fn reply_grads(p: &Policy, critic: &Critic, b: &TokenBatch, first_reply: usize) -> Vec<(String, Tensor)> {
+    let lens = b.lengths.clone();
+    let mask: Vec<f32> = (0..b.rows)
+        .flat_map(|r| (0..b.len).map(|t| (t >= first_reply && t < lens[r]) as u8 as f32).collect::<Vec<_>>())
+        .collect();
+    let mask = Tensor::from_vec(mask, (b.rows, b.len), &Device::Cpu).unwrap();
+    let (mut g, mut gc) = (GradStore::default(), GradStore::default());
+    let loss = |s: &ragen_lab::policy::Scored| -> anyhow::Result<Tensor> {
+        Ok(((s.logprobs.exp()? * &mask)?.sum_all()? + ((&s.entropy * &mask)?.sum_all()? * 0.1)?)?)
+    };
+    p.loss_and_grads(b, loss, &mut g).unwrap();
+    critic.loss_and_grads(b, |v| Ok(((v - 0.5)?.sqr()? * &mask)?.sum_all()?), &mut gc).unwrap();
+    let mut out: Vec<(String, Tensor)> =
+        p.model.named_vars().into_iter().map(|(n, v)| (n, g.get(v.as_tensor()).unwrap().clone())).collect();
+    for (n, v) in critic.named_vars() {
+        out.push((format!("critic.{n}"), gc.get(v.as_tensor()).unwrap_or_else(|| panic!("critic {n}")).clone()));
+    }
+    out
+}
+
+#[test]
+fn checkpointed_layers_give_the_gradients_of_the_full_graph() {
+    for name in PRESETS {
+        let mut p = load(name);
+        let mut critic = Critic::from_policy(&p, 3).unwrap();
+        let (seqs, first_reply) = group(&p);
+        let plain = TokenBatch::new(&seqs, p.pad_id).unwrap();
+        let shared = plain.clone().share_prefix(first_reply);
+        assert!(shared.prefix > 0);
+        for b in [&plain, &shared] {
+            p.model.checkpoint_layers = false;
+            critic.backbone.checkpoint_layers = false;
+            let full = reply_grads(&p, &critic, b, first_reply);
+            p.model.checkpoint_layers = true;
+            critic.backbone.checkpoint_layers = true;
+            let ck = reply_grads(&p, &critic, b, first_reply);
+            for ((n, a), (_, c)) in full.iter().zip(&ck) {
+                let scale = a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+                assert!(scale > 0.0, "{name} {n}: no gradient");
+                let d = max_abs_diff(a, c);
+                assert!(d <= 1e-5 * scale.max(1.0), "{name} prefix {} {n}: checkpointed gradient differs by {d}", b.prefix);
+            }
+        }
     }
 }
 

@@ -17,8 +17,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::logprob::{accumulate_grads, TokenBatch};
+use super::logprob::TokenBatch;
 use super::{GenerationConfig, Message, Policy};
+use crate::phase::{self, Phase};
 use crate::rng::Rng;
 
 /// The prompt every generation row gets (as in `tools/bench_pytorch.py`).
@@ -161,27 +162,24 @@ fn bench_training(policy: &Policy, cfg: &BenchConfig) -> Result<TrainingRun> {
     let batch = TokenBatch::new(&seqs, policy.pad_id)?;
     let scored_tokens = (cfg.train_batch * cfg.train_seq.saturating_sub(1)).max(1) as f64;
     let named = policy.model.named_vars();
-    let vars: Vec<_> = named.iter().map(|(_, v)| v.clone()).collect();
     // The trainer's AdamW with its default betas, eps and weight decay (0.01, as torch's).
     let mut opt = crate::starpo::optim::AdamW::new(named, 1e-5, &Default::default())?;
     let mut timings = Vec::new();
     for step in 0..=cfg.train_steps {
-        let (mut fwd, mut bwd) = (0.0, 0.0);
-        let mut acc = None;
+        let mut acc = candle_core::backprop::GradStore::default();
         let mut loss_sum = 0.0;
+        phase::take();
         for micro in batch.split(cfg.micro_batch) {
-            let t0 = Instant::now();
-            // Mean NLL over the whole batch: each micro-batch adds its share.
-            let loss = (policy.token_logprobs(&micro)?.logprobs.sum_all()? * (-1.0 / scored_tokens))?;
-            let t1 = Instant::now();
-            let grads = loss.backward()?;
-            accumulate_grads(&mut acc, grads, &vars)?;
-            loss_sum += loss.to_scalar::<f32>()? as f64;
-            fwd += (t1 - t0).as_secs_f64();
-            bwd += t1.elapsed().as_secs_f64();
+            // Mean NLL over the whole batch: each micro-batch adds its share. The trainer's
+            // path: chunked logits, and layer checkpoints when the model keeps them.
+            let loss =
+                policy.loss_and_grads(&micro, |s| Ok((s.logprobs.sum_all()? * (-1.0 / scored_tokens))?), &mut acc)?;
+            loss_sum += loss as f64;
         }
+        let clocks = phase::take();
+        let (fwd, bwd) = (clocks.get(Phase::Forward), clocks.get(Phase::Backward));
         let t2 = Instant::now();
-        opt.step(acc.as_ref().context("no gradients")?, 0.0)?;
+        opt.step(&acc, 0.0)?;
         let opt_s = t2.elapsed().as_secs_f64();
         let warm = if step == 0 { " (warm-up)" } else { "" };
         println!(
@@ -236,6 +234,10 @@ pub struct PolicyArgs {
     /// Sequences per forward/backward pass (gradients accumulate over the batch).
     #[arg(long, default_value_t = 4)]
     pub micro_batch: usize,
+    /// Keep only each layer's input in training and recompute layers in backward
+    /// (`optim.checkpoint_layers`).
+    #[arg(long)]
+    pub checkpoint_layers: bool,
     /// Write this run's figures as JSON (the format tools/bench_pytorch.py writes).
     #[arg(long, value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
@@ -257,8 +259,10 @@ pub fn run_cli(args: PolicyArgs) -> Result<()> {
         }
         None => None,
     };
-    let policy = Policy::load(&args.model, &crate::cli::model::device())?;
-    println!("{}: {} threads, {}", policy.source, rayon::current_num_threads(), features());
+    let mut policy = Policy::load(&args.model, &crate::cli::model::device())?;
+    policy.model.checkpoint_layers = args.checkpoint_layers;
+    let ck = if args.checkpoint_layers { ", layer checkpoints" } else { "" };
+    println!("{}: {} threads, {}{ck}", policy.source, rayon::current_num_threads(), features());
     let cfg = BenchConfig {
         batches: args.batches,
         new_tokens: args.new_tokens,

@@ -6,13 +6,15 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{anyhow, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use serde_json::json;
 
 use super::config::Config;
-use super::logprob::{own_hidden, TokenBatch};
-use super::model::{normal, Decoder, Mode};
+use super::logprob::TokenBatch;
+use super::model::{move_grads, normal, Decoder, Mode};
 use super::Policy;
+use crate::phase::{self, Phase};
 use crate::rng::Rng;
 
 pub struct Critic {
@@ -46,20 +48,47 @@ impl Critic {
 
     /// Values at every position, `[B, T]` (position t: the state after `ids[..=t]`); 0 past a
     /// row's length and, for a batch that shares a prefix, before its last shared token.
-    /// Differentiable.
-    pub fn values(&self, batch: &TokenBatch) -> Result<Tensor> {
-        self.values_in(batch, Mode::Train)
-    }
-
-    /// `values` without a graph (the values the advantages use).
     pub fn values_no_grad(&self, batch: &TokenBatch) -> Result<Tensor> {
-        self.values_in(batch, Mode::Score)
+        let ids = batch.own_ids_tensor(self.backbone.device())?;
+        let hidden = if batch.prefix == 0 {
+            self.backbone.hidden(&ids, &vec![0; batch.rows], None, Mode::Score)?
+        } else {
+            let prefix = self.backbone.prefix(&batch.ids[..batch.prefix], Mode::Score)?;
+            self.backbone.hidden_after(&prefix, &ids, Mode::Score)?
+        };
+        self.head(batch, &hidden, Mode::Score)
     }
 
-    fn values_in(&self, batch: &TokenBatch, mode: Mode) -> Result<Tensor> {
+    /// `loss(values)`, its gradients of every critic weight added into `grads`: the value head
+    /// is differentiated on detached hidden states, which then back-propagate through the
+    /// backbone once (recomputing layer by layer when it checkpoints).
+    pub fn loss_and_grads(
+        &self,
+        batch: &TokenBatch,
+        loss: impl FnOnce(&Tensor) -> Result<Tensor>,
+        grads: &mut GradStore,
+    ) -> Result<f32> {
+        let (hidden, h_leaf, l, backprop) = phase::timed(Phase::Forward, || -> Result<_> {
+            let ids = batch.own_ids_tensor(self.backbone.device())?;
+            let (hidden, backprop) = self.backbone.train_hidden(&batch.ids[..batch.prefix], &ids)?;
+            let h_leaf = Var::from_tensor(&hidden)?;
+            let l = loss(&self.head(batch, h_leaf.as_tensor(), Mode::Train)?)?;
+            Ok((hidden, h_leaf, l, backprop))
+        })?;
+        let value = l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
+        phase::timed(Phase::Backward, || -> Result<()> {
+            let mut head = l.backward()?;
+            let grad_h = head.remove(h_leaf.as_tensor()).map_or_else(|| hidden.zeros_like(), Ok)?;
+            backprop.backward(&self.backbone, &grad_h, grads)?;
+            move_grads(grads, head, [&self.score_weight, &self.score_bias])
+        })?;
+        Ok(value)
+    }
+
+    /// The value head on the rows' own hidden states `[B, T - prefix, H]`, laid out `[B, T]`.
+    fn head(&self, batch: &TokenBatch, hidden: &Tensor, mode: Mode) -> Result<Tensor> {
         let dev = self.backbone.device();
         let (b, t, p) = (batch.rows, batch.len, batch.prefix);
-        let (hidden, _) = own_hidden(&self.backbone, batch, mode)?; // [B, T - p, H]
         let h = hidden.dim(2)?;
         let (w, bias) = (mode.weight(&self.score_weight), mode.weight(&self.score_bias));
         let v = hidden.reshape((b * (t - p), h))?.matmul(&w.t()?)?;

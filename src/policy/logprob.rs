@@ -3,9 +3,9 @@
 //!
 //! Memory: the full-vocabulary logits exist only one sequence chunk at a time (at most
 //! `Policy::logit_chunk` floats) and are reduced to `[B, chunk]` at once. With gradients, autograd
-//! still keeps each chunk's graph until `backward()`, so the trainer bounds memory with
-//! micro-batches (`TokenBatch::split`) and sums their gradients (`accumulate_grads`), or calls
-//! `loss_and_grads`, which keeps only one chunk's logits graph alive at a time. Without
+//! would keep each chunk's graph until `backward()`, so the trainer calls `loss_and_grads`,
+//! which keeps only one chunk's logits graph alive at a time and adds each micro-batch's
+//! gradients into one store (micro-batches: `TokenBatch::split`). Without
 //! gradients (`token_logprobs_no_grad`: old and reference log-probs) no graph is recorded at all
 //! (`Mode::Score`): every activation is freed as soon as the next op has read it.
 //!
@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor, Var, D};
 use super::model::Mode;
 use super::Policy;
 use crate::phase::{self, Phase};
-use crate::policy::model::Decoder;
+use crate::policy::model::{move_grads, Decoder};
 
 /// Shared prefixes shorter than this run with every row (nothing worth saving).
 const MIN_SHARED_PREFIX: usize = 4;
@@ -82,7 +82,7 @@ impl TokenBatch {
     }
 
     /// The rows' tokens after the shared prefix, `[B, len - prefix]`.
-    fn own_ids_tensor(&self, dev: &Device) -> Result<Tensor> {
+    pub(crate) fn own_ids_tensor(&self, dev: &Device) -> Result<Tensor> {
         let n = self.len - self.prefix;
         let ids: Vec<u32> = (0..self.rows)
             .flat_map(|r| self.ids[r * self.len + self.prefix..(r + 1) * self.len].iter().copied())
@@ -124,27 +124,9 @@ pub struct Scored {
     pub entropy: Tensor,
 }
 
-/// Add `grads` into `acc` for every var: gradient accumulation over micro-batches.
-pub fn accumulate_grads(acc: &mut Option<GradStore>, mut grads: GradStore, vars: &[Var]) -> Result<()> {
-    let Some(acc) = acc else {
-        *acc = Some(grads);
-        return Ok(());
-    };
-    for v in vars {
-        if let Some(g) = grads.remove(v.as_tensor()) {
-            let sum = match acc.remove(v.as_tensor()) {
-                Some(a) => (a + g)?,
-                None => g,
-            };
-            acc.insert(v.as_tensor(), sum);
-        }
-    }
-    Ok(())
-}
-
 /// The final hidden states of each row's own tokens (those after the shared prefix, which runs
 /// once) and those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
-pub(crate) fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
+fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
     let ids = batch.own_ids_tensor(model.device())?;
     let hidden = if batch.prefix == 0 {
         model.hidden(&ids, &vec![0; batch.rows], None, mode)?
@@ -218,20 +200,23 @@ impl Policy {
         Ok((lp, ent))
     }
 
-    /// `loss(scores)` and the gradients of every weight, holding at most one chunk's
-    /// full-vocabulary logits (and their graph) at a time: the scores are computed without a
-    /// graph, the loss is differentiated w.r.t. them, then each chunk is recomputed and
-    /// back-propagated to the final hidden states, which are back-propagated once through the
-    /// model. Costs one extra lm_head forward; the gradients equal `loss(token_logprobs(b)).backward()`.
+    /// `loss(scores)`, its gradients of every weight added into `grads` (gradient accumulation
+    /// without a second full set of gradients), holding at most one chunk's full-vocabulary
+    /// logits (and their graph) at a time: the scores are computed without a graph, the loss
+    /// is differentiated w.r.t. them, then each chunk is recomputed and back-propagated to the
+    /// final hidden states, which are back-propagated once through the model. Costs one extra
+    /// lm_head forward; the gradients equal `loss(token_logprobs(b)).backward()`.
     pub fn loss_and_grads(
         &self,
         batch: &TokenBatch,
         loss: impl FnOnce(&Scored) -> Result<Tensor>,
-    ) -> Result<(f32, GradStore)> {
+        grads: &mut GradStore,
+    ) -> Result<f32> {
         let forward_start = std::time::Instant::now();
         let mask = batch.score_mask(self.device())?;
-        let (hidden, ids) = own_hidden(&self.model, batch, Mode::Train)?; // [B, S, H], graph to every weight
-        let h_leaf = Var::from_tensor(&hidden.detach())?;
+        let ids = batch.own_ids_tensor(self.device())?;
+        let (hidden, backprop) = self.model.train_hidden(&batch.ids[..batch.prefix], &ids)?; // [B, S, H]
+        let h_leaf = Var::from_tensor(&hidden)?;
         // 1. Scores without a graph, as leaves the loss can be differentiated against.
         let (mut lps, mut ents) = (vec![], vec![]);
         for (s, c) in self.chunks(batch) {
@@ -254,34 +239,21 @@ impl Policy {
         // 2. Chunk by chunk: d loss / d hidden and d loss / d lm_head.
         let head = self.model.lm_head.as_ref().unwrap_or(&self.model.embed_tokens);
         let mut grad_h = h_leaf.as_tensor().zeros_like()?;
-        let mut grad_head: Option<Tensor> = None;
         for (s, c) in self.chunks(batch) {
             let (lp, ent) = self.chunk_scores(h_leaf.as_tensor(), &ids, s, c, true)?;
             // Own-token chunk position s + i scores batch position prefix + 1 + s + i.
             let at = batch.prefix + 1 + s;
             let surrogate =
                 ((lp * g_lp.narrow(1, at, c)?)?.sum_all()? + (ent * g_ent.narrow(1, at, c)?)?.sum_all()?)?;
-            let gs = surrogate.backward()?;
-            if let Some(gh) = gs.get(h_leaf.as_tensor()) {
+            let mut gs = surrogate.backward()?;
+            if let Some(gh) = gs.remove(h_leaf.as_tensor()) {
                 grad_h = (grad_h + gh)?;
             }
-            if let Some(gw) = gs.get(head.as_tensor()) {
-                grad_head = Some(match grad_head {
-                    Some(acc) => (acc + gw)?,
-                    None => gw.clone(),
-                });
-            }
+            move_grads(grads, gs, [head])?;
         }
         // 3. Once through the model from the hidden states.
-        let mut grads = (hidden * grad_h.detach())?.sum_all()?.backward()?;
-        if let Some(gw) = grad_head {
-            let total = match grads.remove(head.as_tensor()) {
-                Some(g) => (g + gw)?,
-                None => gw,
-            };
-            grads.insert(head.as_tensor(), total);
-        }
+        backprop.backward(&self.model, &grad_h, grads)?;
         phase::add_seconds(Phase::Backward, backward_start.elapsed().as_secs_f64());
-        Ok((value, grads))
+        Ok(value)
     }
 }

@@ -17,6 +17,7 @@
 //! left-padded row's first token sits at RoPE position 0 and its padding is masked out of
 //! attention. Right padding needs no mask beyond causality (starts are 0). No file I/O here.
 use anyhow::{bail, Context, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::Config;
@@ -89,6 +90,41 @@ pub struct Layer {
     pub down_proj: Linear,
 }
 
+impl Layer {
+    /// The layer's weights, named as in HF after `model.layers.{l}.`, in HF order.
+    pub fn named_vars(&self) -> Vec<(String, &Var)> {
+        let mut out = vec![("input_layernorm.weight".to_string(), &self.input_layernorm)];
+        for (name, lin) in [("q_proj", &self.q_proj), ("k_proj", &self.k_proj), ("v_proj", &self.v_proj)] {
+            out.push((format!("self_attn.{name}.weight"), &lin.weight));
+            if let Some(b) = &lin.bias {
+                out.push((format!("self_attn.{name}.bias"), b));
+            }
+        }
+        out.push(("self_attn.o_proj.weight".into(), &self.o_proj.weight));
+        out.push(("post_attention_layernorm.weight".into(), &self.post_attention_layernorm));
+        out.push(("mlp.gate_proj.weight".into(), &self.gate_proj.weight));
+        out.push(("mlp.up_proj.weight".into(), &self.up_proj.weight));
+        out.push(("mlp.down_proj.weight".into(), &self.down_proj.weight));
+        out
+    }
+}
+
+/// Move the gradients of `vars` from `from` into `into`, adding where `into` has one already.
+/// The rest of `from` is dropped: candle's backward also leaves gradients on the constants a
+/// graph reads (RoPE tables, masks, broadcasts), hundreds of MB per pass that nothing uses.
+pub fn move_grads<'a>(into: &mut GradStore, mut from: GradStore, vars: impl IntoIterator<Item = &'a Var>) -> Result<()> {
+    for v in vars {
+        if let Some(g) = from.remove(v.as_tensor()) {
+            let g = match into.remove(v.as_tensor()) {
+                Some(acc) => (acc + g)?,
+                None => g,
+            };
+            into.insert(v.as_tensor(), g);
+        }
+    }
+    Ok(())
+}
+
 /// The transformer with its weights. `lm_head` is `None` when tied to `embed_tokens`.
 pub struct Decoder {
     pub cfg: Config,
@@ -96,6 +132,9 @@ pub struct Decoder {
     pub layers: Vec<Layer>,
     pub norm: Var,
     pub lm_head: Option<Var>,
+    /// Training passes keep only each layer's input and recompute the layer in the backward
+    /// pass (activation checkpointing): about a third more compute, a fraction of the memory.
+    pub checkpoint_layers: bool,
 }
 
 /// Keys and values of every layer, allocated once for `capacity` positions.
@@ -304,6 +343,7 @@ impl Decoder {
             lm_head: if cfg.tie_word_embeddings { None } else { Some(take(&mut vars, "lm_head.weight")?) },
             layers,
             cfg,
+            checkpoint_layers: false,
         })
     }
 
@@ -330,19 +370,7 @@ impl Decoder {
     pub fn named_vars(&self) -> Vec<(String, Var)> {
         let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
         for (l, layer) in self.layers.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.push((format!("{p}.input_layernorm.weight"), layer.input_layernorm.clone()));
-            for (name, lin) in [("q_proj", &layer.q_proj), ("k_proj", &layer.k_proj), ("v_proj", &layer.v_proj)] {
-                out.push((format!("{p}.self_attn.{name}.weight"), lin.weight.clone()));
-                if let Some(b) = &lin.bias {
-                    out.push((format!("{p}.self_attn.{name}.bias"), b.clone()));
-                }
-            }
-            out.push((format!("{p}.self_attn.o_proj.weight"), layer.o_proj.weight.clone()));
-            out.push((format!("{p}.post_attention_layernorm.weight"), layer.post_attention_layernorm.clone()));
-            out.push((format!("{p}.mlp.gate_proj.weight"), layer.gate_proj.weight.clone()));
-            out.push((format!("{p}.mlp.up_proj.weight"), layer.up_proj.weight.clone()));
-            out.push((format!("{p}.mlp.down_proj.weight"), layer.down_proj.weight.clone()));
+            out.extend(layer.named_vars().into_iter().map(|(n, v)| (format!("model.layers.{l}.{n}"), v.clone())));
         }
         out.push(("model.norm.weight".to_string(), self.norm.clone()));
         if let Some(h) = &self.lm_head {
@@ -424,9 +452,6 @@ impl Decoder {
         mode: Mode,
     ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        if starts.len() != b {
-            bail!("{} row starts for a batch of {b}", starts.len());
-        }
         let offset = match &past {
             Past::None => 0,
             Past::Cache(c) => c.len,
@@ -437,42 +462,144 @@ impl Decoder {
                 bail!("kv cache full: {} + {t} positions > capacity {}", c.len, c.capacity);
             }
         }
-        let kv_len = offset + t;
-        let dev = self.device();
-        let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
-        // On the CPU the mask is applied inside the fused softmax; elsewhere it is a tensor.
-        let mask = if dev.is_cpu() { None } else { Some(attention_mask(b, t, offset, starts, dev)?) };
-        let h = self.cfg.hidden_size;
-        let eps = self.cfg.rms_norm_eps;
-        let mut x = mode.weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?; // [B*T, H]
+        let pass = self.pass(b, t, offset, starts)?;
+        let mut x = self.embed(ids, mode)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let kv = match &mut past {
                 Past::None => LayerPast::None,
                 Past::Cache(c) => LayerPast::Cache(&c.layers[l], offset),
                 Past::Prefix(p) => LayerPast::Prefix(&p.layers[l]),
             };
-            let normed = rms_norm(&x, &layer.input_layernorm, eps, mode)?;
-            let attn = self.attention(
-                layer,
-                &normed,
-                (b, t, kv_len),
-                starts,
-                (&cos, &sin),
-                mask.as_ref(),
-                kv,
-                record.as_deref_mut(),
-                mode,
-            )?;
-            x = (x + attn)?;
-            let normed = rms_norm(&x, &layer.post_attention_layernorm, eps, mode)?;
-            let gate = layer.gate_proj.forward(&normed, mode)?.silu()?;
-            let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed, mode)?)?, mode)?;
-            x = (x + mlp)?;
+            x = self.block(layer, &x, &pass, kv, record.as_deref_mut(), mode)?;
         }
         if let Past::Cache(c) = past {
-            c.len = kv_len;
+            c.len = pass.kv_len;
         }
-        Ok(rms_norm(&x, &self.norm, eps, mode)?.reshape((b, t, h))?)
+        self.final_norm(&x, b, t, mode)
+    }
+
+    /// Token embeddings, `[B*T, H]`.
+    fn embed(&self, ids: &Tensor, mode: Mode) -> Result<Tensor> {
+        Ok(mode.weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?)
+    }
+
+    /// # Shapes
+    /// x: [B*T, H] → [B, T, H]
+    fn final_norm(&self, x: &Tensor, b: usize, t: usize, mode: Mode) -> Result<Tensor> {
+        Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps, mode)?.reshape((b, t, self.cfg.hidden_size))?)
+    }
+
+    /// What every layer of a pass over `[B, T]` tokens after `offset` earlier positions shares.
+    fn pass<'a>(&self, b: usize, t: usize, offset: usize, starts: &'a [usize]) -> Result<Pass<'a>> {
+        if starts.len() != b {
+            bail!("{} row starts for a batch of {b}", starts.len());
+        }
+        let dev = self.device();
+        let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
+        // On the CPU the mask is applied inside the fused softmax; elsewhere it is a tensor.
+        let mask = if dev.is_cpu() { None } else { Some(attention_mask(b, t, offset, starts, dev)?) };
+        Ok(Pass { b, t, kv_len: offset + t, starts, cos, sin, mask })
+    }
+
+    /// One transformer layer: pre-norm attention and SwiGLU MLP, each with its residual.
+    /// # Shapes
+    /// x: [B*T, H] → [B*T, H]
+    fn block(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        pass: &Pass<'_>,
+        kv: LayerPast<'_>,
+        record: Option<&mut Vec<(Tensor, Tensor)>>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let eps = self.cfg.rms_norm_eps;
+        let normed = rms_norm(x, &layer.input_layernorm, eps, mode)?;
+        let x = (x + self.attention(layer, &normed, pass, kv, record, mode)?)?;
+        let normed = rms_norm(&x, &layer.post_attention_layernorm, eps, mode)?;
+        let gate = layer.gate_proj.forward(&normed, mode)?.silu()?;
+        let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed, mode)?)?, mode)?;
+        Ok((x + mlp)?)
+    }
+
+    /// Final hidden states `[B, T, H]` of a training pass over `ids` (continuing the shared
+    /// `prefix` ids when not empty), without a graph, and the way back into the weights.
+    /// With `checkpoint_layers` only each layer's input is kept (a few MB per layer instead of
+    /// every activation) and the backward pass recomputes one layer at a time.
+    pub fn train_hidden(&self, prefix: &[u32], ids: &Tensor) -> Result<(Tensor, Backprop)> {
+        if !self.checkpoint_layers {
+            let hidden = if prefix.is_empty() {
+                self.hidden(ids, &vec![0; ids.dim(0)?], None, Mode::Train)?
+            } else {
+                self.hidden_after(&self.prefix(prefix, Mode::Train)?, ids, Mode::Train)?
+            };
+            return Ok((hidden.detach(), Backprop::Graph(hidden)));
+        }
+        let (b, t) = ids.dims2()?;
+        let zeros = vec![0; b];
+        let rows_pass = self.pass(b, t, prefix.len(), &zeros)?;
+        let prefix_ids = Tensor::from_vec(prefix.to_vec(), (1, prefix.len()), self.device())?;
+        let prefix_pass = self.pass(1, prefix.len(), 0, &[0])?;
+        let mut x = self.embed(ids, Mode::Score)?;
+        let mut xp = if prefix.is_empty() { None } else { Some(self.embed(&prefix_ids, Mode::Score)?) };
+        let mut inputs = Vec::with_capacity(self.layers.len() + 1);
+        for layer in &self.layers {
+            inputs.push((x.clone(), xp.clone()));
+            let mut kv = Vec::with_capacity(1);
+            if let Some(p) = &xp {
+                xp = Some(self.block(layer, p, &prefix_pass, LayerPast::None, Some(&mut kv), Mode::Score)?);
+            }
+            let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
+            x = self.block(layer, &x, &rows_pass, past, None, Mode::Score)?;
+        }
+        let hidden = self.final_norm(&x, b, t, Mode::Score)?;
+        inputs.push((x, None)); // the prefix's final hidden states are not used
+        Ok((hidden, Backprop::Checkpointed(Checkpoints { ids: ids.clone(), prefix_ids, inputs })))
+    }
+
+    /// Add into `grads` the gradients of every weight for `Σ grad · hidden`, recomputing layer
+    /// by layer from the checkpoints: each layer's gradient w.r.t. its input is the next one's
+    /// upstream gradient.
+    fn backward_checkpointed(&self, ck: Checkpoints, grad: &Tensor, grads: &mut GradStore) -> Result<()> {
+        let (b, t) = ck.ids.dims2()?;
+        let p = ck.prefix_ids.dim(1)?;
+        let zeros = vec![0; b];
+        let rows_pass = self.pass(b, t, p, &zeros)?;
+        let prefix_pass = self.pass(1, p, 0, &[0])?;
+        let mut inputs = ck.inputs;
+        let (x_last, _) = inputs.pop().context("no layer inputs")?;
+        let x = Var::from_tensor(&x_last)?;
+        let mut top = (self.final_norm(x.as_tensor(), b, t, Mode::Train)? * grad)?.sum_all()?.backward()?;
+        let mut g = top.remove(x.as_tensor()).context("no gradient reached the last layer")?;
+        move_grads(grads, top, [&self.norm])?;
+        let mut gp: Option<Tensor> = None;
+        for (layer, (x_in, xp_in)) in self.layers.iter().zip(inputs).rev() {
+            let x = Var::from_tensor(&x_in)?;
+            let xp = xp_in.as_ref().map(Var::from_tensor).transpose()?;
+            let mut kv = Vec::with_capacity(1);
+            let yp = match &xp {
+                Some(xp) => Some(self.block(layer, xp.as_tensor(), &prefix_pass, LayerPast::None, Some(&mut kv), Mode::Train)?),
+                None => None,
+            };
+            let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
+            let y = self.block(layer, x.as_tensor(), &rows_pass, past, None, Mode::Train)?;
+            let mut surrogate = (y * &g)?.sum_all()?;
+            if let (Some(yp), Some(gp)) = (&yp, &gp) {
+                surrogate = (surrogate + (yp * gp)?.sum_all()?)?;
+            }
+            let mut layer_grads = surrogate.backward()?;
+            g = layer_grads.remove(x.as_tensor()).map_or_else(|| x.as_tensor().zeros_like(), Ok)?;
+            gp = match &xp {
+                Some(xp) => Some(layer_grads.remove(xp.as_tensor()).map_or_else(|| xp.as_tensor().zeros_like(), Ok)?),
+                None => None,
+            };
+            move_grads(grads, layer_grads, layer.named_vars().into_iter().map(|(_, v)| v))?;
+        }
+        let mut surrogate = (self.embed(&ck.ids, Mode::Train)? * g)?.sum_all()?;
+        if let Some(gp) = gp {
+            surrogate = (surrogate + (self.embed(&ck.prefix_ids, Mode::Train)? * gp)?.sum_all()?)?;
+        }
+        move_grads(grads, surrogate.backward()?, [&self.embed_tokens])
     }
 
     /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
@@ -504,20 +631,17 @@ impl Decoder {
     }
 
     /// # Shapes
-    /// x: [B*T, H] → [B*T, H]; `dims` = (B, T, keys: cached or prefix positions + T)
-    #[allow(clippy::too_many_arguments)]
+    /// x: [B*T, H] → [B*T, H]
     fn attention(
         &self,
         layer: &Layer,
         x: &Tensor,
-        (b, t, kv_len): (usize, usize, usize),
-        starts: &[usize],
-        (cos, sin): (&Tensor, &Tensor),
-        mask: Option<&Tensor>,
+        pass: &Pass<'_>,
         past: LayerPast<'_>,
         record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
+        let Pass { b, t, kv_len, starts, ref cos, ref sin, ref mask } = *pass;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let group = nh / nkv;
@@ -565,6 +689,50 @@ impl Decoder {
         let out = probs.reshape((b, nkv, group * t, kv_len))?.matmul(&v)?; // [B, nkv, g*T, hd]
         let out = out.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b * t, nh * hd))?;
         layer.o_proj.forward(&out, mode)
+    }
+}
+
+/// Shapes, positions, RoPE tables and mask of one forward pass, shared by its layers.
+struct Pass<'a> {
+    b: usize,
+    t: usize,
+    /// Keys each query can see: cached or prefix positions + T.
+    kv_len: usize,
+    starts: &'a [usize],
+    /// `[B, T, head_dim/2]`.
+    cos: Tensor,
+    sin: Tensor,
+    /// Additive mask on devices without the fused softmax.
+    mask: Option<Tensor>,
+}
+
+/// Layer inputs of a checkpointed training pass, detached: rows `[B*T, H]` and the shared
+/// prefix `[P, H]` (when there is one) before each layer, then the rows before the final norm.
+pub struct Checkpoints {
+    ids: Tensor,
+    prefix_ids: Tensor,
+    inputs: Vec<(Tensor, Option<Tensor>)>,
+}
+
+/// How a training pass's final hidden states back-propagate into the weights.
+pub enum Backprop {
+    /// The hidden states with their whole graph.
+    Graph(Tensor),
+    /// Layer inputs to recompute from (`Decoder::checkpoint_layers`).
+    Checkpointed(Checkpoints),
+}
+
+impl Backprop {
+    /// Add into `grads` the gradients of every weight (and nothing else) for the loss whose
+    /// gradient w.r.t. the hidden states is `grad`.
+    pub fn backward(self, model: &Decoder, grad: &Tensor, grads: &mut GradStore) -> Result<()> {
+        match self {
+            Backprop::Graph(hidden) => {
+                let vars: Vec<Var> = model.named_vars().into_iter().map(|(_, v)| v).collect();
+                move_grads(grads, (hidden * grad.detach())?.sum_all()?.backward()?, &vars)
+            }
+            Backprop::Checkpointed(ck) => model.backward_checkpointed(ck, grad, grads),
+        }
     }
 }
 

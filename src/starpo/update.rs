@@ -9,6 +9,7 @@
 use std::time::Instant;
 
 use anyhow::Result;
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 
 use super::advantage::{bi_level_gae, gae, grpo, whiten};
@@ -17,7 +18,6 @@ use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings};
 use crate::agent::pack::Packed;
 use crate::phase::{self, Phase};
-use crate::policy::logprob::accumulate_grads;
 use crate::policy::{Critic, Policy, TokenBatch};
 use crate::rng::Rng;
 
@@ -234,33 +234,31 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             // Critic.
             let mut vloss = 0.0;
             if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
-                let mut grads = None;
+                let mut grads = GradStore::default();
                 for (ids, tb) in &passes {
                     let t = tb.len;
                     let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                     let (ov, rt, mk) = (pick(&old_v), pick(&ret), pick(&mask_f));
-                    let scaled = phase::timed(Phase::Forward, || -> Result<Tensor> {
-                        let values = align_values(&c.values(tb)?)?;
-                        let l = value_loss(
-                            &values,
-                            &rows_tensor(&ov, t, &dev)?,
-                            &rows_tensor(&rt, t, &dev)?,
-                            &rows_tensor(&mk, t, &dev)?,
-                            sp.value_clip,
-                        )?;
-                        Ok((l * weight(tb.rows))?)
-                    })?;
-                    vloss += scaled.to_scalar::<f32>()? as f64;
-                    phase::timed(Phase::Backward, || accumulate_grads(&mut grads, scaled.backward()?, &opt.vars()))?;
+                    let (ov, rt, mk) =
+                        (rows_tensor(&ov, t, &dev)?, rows_tensor(&rt, t, &dev)?, rows_tensor(&mk, t, &dev)?);
+                    let l = c.loss_and_grads(
+                        tb,
+                        |values| {
+                            let l = value_loss(&align_values(values)?, &ov, &rt, &mk, sp.value_clip)?;
+                            Ok((l * weight(tb.rows))?)
+                        },
+                        &mut grads,
+                    )?;
+                    vloss += l as f64;
                     phase::add_tokens(tb.tokens_computed());
                     stats.tokens += tb.tokens_computed();
                 }
-                if let Some(g) = grads {
-                    phase::timed(Phase::Optimizer, || opt.step(&g, so.grad_clip))?;
+                if !passes.is_empty() {
+                    phase::timed(Phase::Optimizer, || opt.step(&grads, so.grad_clip))?;
                 }
             }
             // Actor.
-            let mut grads = None;
+            let mut grads = GradStore::default();
             let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
             for (ids, tb) in &passes {
                 let t = tb.len;
@@ -276,7 +274,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     None
                 };
                 // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
-                let (_, g) = policy.loss_and_grads(tb, |scored| {
+                policy.loss_and_grads(tb, |scored| {
                     let old = old.unwrap_or_else(|| scored.logprobs.detach());
                     let (pg, clipped, _) =
                         clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
@@ -294,14 +292,14 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
                     mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
                     Ok((loss * w)?)
-                })?;
-                phase::timed(Phase::Backward, || accumulate_grads(&mut grads, g, &m.actor_opt.vars()))?;
+                }, &mut grads)?;
                 phase::add_tokens(tb.tokens_computed());
                 stats.tokens += tb.tokens_computed();
             }
-            let norm = match grads {
-                Some(g) => phase::timed(Phase::Optimizer, || m.actor_opt.step(&g, so.grad_clip))?,
-                None => 0.0,
+            let norm = if passes.is_empty() {
+                0.0
+            } else {
+                phase::timed(Phase::Optimizer, || m.actor_opt.step(&grads, so.grad_clip))?
             };
             for k in 0..4 {
                 sums[k] += mb_stats[k];
