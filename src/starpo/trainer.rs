@@ -144,7 +144,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     }
     let base = Policy::load(&model, &device)?;
     let reference = if s.starpo.kl_coef > 0.0 { Some(base.deep_copy()?) } else { None };
-    let (policy, critic) = match &resume_from {
+    let (mut policy, mut critic) = match &resume_from {
         Some((ckpt, _)) => {
             let p = Policy::load(&ckpt.join("policy").display().to_string(), &device)?;
             let c = if s.needs_critic() { Some(Critic::load(&ckpt.join("critic"), &device)?) } else { None };
@@ -155,6 +155,10 @@ pub fn train(opts: Options) -> Result<Summary> {
             (base, c)
         }
     };
+    policy.model.checkpoint_layers = s.optim.checkpoint_layers;
+    if let Some(c) = critic.as_mut() {
+        c.backbone.checkpoint_layers = s.optim.checkpoint_layers;
+    }
     let mut actor_opt = AdamW::new(policy.model.named_vars(), s.optim.lr, &s.optim)?;
     let mut critic_opt = match &critic {
         Some(c) => Some(AdamW::new(c.named_vars(), s.optim.critic_lr, &s.optim)?),
