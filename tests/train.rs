@@ -261,3 +261,75 @@ fn a_step_without_reward_variance_makes_no_update() {
         |step: u32| fs::read(run.join(format!("checkpoints/step-{step:06}/policy/model.safetensors"))).unwrap();
     assert!(weights(1) == weights(2), "a skipped step changed the weights");
 }
+
+/// Live edits that pass the smoke test but fail on real turns (issue 10): a reward that is NaN
+/// on real responses, an env whose reset never ends for real seeds, a prompt that builds a
+/// string bomb on real observations. Each is rolled back to the version it replaced, reported
+/// once as a `script_error` event with its place, and the run goes on; `--resume` then keeps the
+/// last good versions instead of reloading the broken files.
+#[test]
+fn hostile_live_edits_roll_back_and_are_recorded() {
+    let p = project();
+    let run = p.path().join("runs/hostile");
+    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "60", "--run-dir", "runs/hostile"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let errors = || jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "script_error").collect::<Vec<_>>();
+    wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
+    let edit = |file: &str, from: &str, to: &str| {
+        let path = p.path().join(file);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{file} lacks {from:?}");
+        fs::write(&path, text.replacen(from, to, 1)).unwrap();
+    };
+    // The smoke test's sample turns mention Up, Jump or have no tags; real ones do not.
+    edit(
+        "rewards/format_penalty.rhai",
+        "fn shape(turn, reward) {",
+        "fn shape(turn, reward) {\n    if !(turn.response.contains(\"Up\") || turn.response.contains(\"Jump\") || turn.response == \"no tags\") { return parse_float(\"NaN\"); }",
+    );
+    wait_for(&mut child, "the reward's script error", || errors().len() == 1);
+    edit("envs/bandit.rhai", "fn reset(seed, params) {", "fn reset(seed, params) {\n    if seed != 0 { loop { } }");
+    wait_for(&mut child, "the env's script error", || errors().len() == 2);
+    edit("prompts/ragen.rhai", "fn user(info, turn) {", "fn user(info, turn) {\n    if turn.obs != \"P_G\" { let s = \"ab\"; loop { s += s; } }");
+    wait_for(&mut child, "the prompt's script error", || errors().len() == 3);
+    let last_error = errors()[2]["step"].as_u64().unwrap();
+    let rollouts_of = |step: u64| run.join(format!("rollouts/step-{step:06}.jsonl"));
+    wait_for(&mut child, "the step after the last rollback", || rollouts_of(last_error + 1).exists());
+    wait_for(&mut child, "its checkpoint", || latest(&run).is_some_and(|l| l >= format!("step-{:06}", last_error + 1)));
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let errors = errors();
+    // Errors Rhai reports without a position (a wrong value, a limit) point at the function.
+    let expect = [
+        ("rewards/format_penalty.rhai", 7, ["contract", "contract"]),
+        ("envs/bandit.rhai", 24, ["operations", "timeout"]),
+        ("prompts/ragen.rhai", 21, ["size", "size"]),
+    ];
+    for (e, (path, line, kinds)) in errors.iter().zip(expect) {
+        assert_eq!((e["path"].as_str(), e["line"].as_u64()), (Some(path), Some(line)), "{e}");
+        assert!(kinds.contains(&e["error"].as_str().unwrap()), "{e}");
+        assert!(e["col"].as_u64().unwrap() > 0, "{e}");
+        assert_ne!(e["version"], e["restored"], "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(message.starts_with(&format!("{path}:{line}:")) && message.contains("rolled back to version"), "{e}");
+    }
+    let role_of = ["reward", "env", "prompt"];
+    let versions = |step: u64| jsonl(&rollouts_of(step))[0]["versions"].clone();
+    for (e, role) in errors.iter().zip(role_of) {
+        let used = versions(last_error + 1);
+        let used = if role == "reward" { used["rewards"][0].clone() } else { used[role].clone() };
+        assert_eq!(used, e["restored"], "the {role} in use after the rollback is the restored version");
+    }
+
+    // Resume with the broken files still on disk: the last good versions are kept, and said so.
+    let saved: u64 = latest(&run).unwrap().trim_start_matches("step-").parse().unwrap();
+    run_ok(train(p.path(), &["--resume", "runs/hostile", "--steps", &(saved + 1).to_string()]));
+    assert_eq!(*steps_of(&run).last().unwrap(), saved + 1);
+    let notes: Vec<Value> = jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "reload_error").collect();
+    assert_eq!(notes.len(), 3, "one note per script not resumed: {notes:?}");
+    assert!(jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "script_error").count() == 3, "no new failures after resume");
+}

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
-use crate::script::Script;
+use crate::script::{EnvScript, Experiment, ExperimentScripts, Host, PromptScript, RewardScript, Script};
 
 #[derive(Debug)]
 pub struct RunDir {
@@ -31,6 +31,11 @@ pub fn write_atomic(path: &Path, text: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+}
+
+/// The parseable lines of a JSONL file (none when it is missing).
+fn read_jsonl(path: &Path) -> Vec<Value> {
+    fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
 fn append_line(path: &Path, v: &Value) -> Result<()> {
@@ -94,7 +99,8 @@ impl RunDir {
         serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
     }
 
-    /// Record a script version: its source under scripts/<hash>.rhai and a line in index.jsonl.
+    /// Record a script version: the source it was compiled from under scripts/<hash>.rhai (its
+    /// imports, if any, in scripts/<hash>.imports.json) and a line in index.jsonl.
     pub fn record_script(&mut self, step: u64, role: &str, script: &Script) -> Result<()> {
         let hash = script.version().to_string();
         let key = (role.to_string(), script.name.clone(), hash.clone());
@@ -103,8 +109,13 @@ impl RunDir {
         }
         let file = self.path.join("scripts").join(format!("{hash}.rhai"));
         if !file.exists() {
-            let source = fs::read(&script.path).with_context(|| format!("reading {}", script.path.display()))?;
-            write_atomic(&file, &source)?;
+            // From the compiled version, not the disk: the file may have changed since.
+            write_atomic(&file, script.source().as_bytes())?;
+            if !script.imports().is_empty() {
+                let imports: Map<String, Value> =
+                    script.imports().iter().map(|(name, text)| (name.clone(), json!(text))).collect();
+                write_atomic(&file.with_extension("imports.json"), Value::Object(imports).to_string().as_bytes())?;
+            }
         }
         append_line(
             &self.path.join("scripts/index.jsonl"),
@@ -167,6 +178,51 @@ impl RunDir {
         Ok(dir)
     }
 
+    /// The scripts to resume `exp` with: each as on disk now, unless that version failed during
+    /// this run (a `script_error` event names it) or no longer loads, in which case the version
+    /// last recorded for it in scripts/ (what the run was using). Returns notes on what was kept.
+    pub fn resume_scripts(path: &Path, host: &std::sync::Arc<Host>, exp: &Experiment) -> Result<(ExperimentScripts, Vec<String>)> {
+        let failed: HashSet<String> = read_jsonl(&path.join("events.jsonl"))
+            .into_iter()
+            .filter(|e| e["kind"] == "script_error")
+            .filter_map(|e| e["version"].as_str().map(str::to_string))
+            .collect();
+        let index = read_jsonl(&path.join("scripts/index.jsonl"));
+        let mut notes = Vec::new();
+        let mut pick = |role: &str, file: &Path| -> Result<std::sync::Arc<Script>> {
+            let on_disk = host.compile(file);
+            let full = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
+            let name = crate::script::display_path(&full, host.project());
+            let recorded = index.iter().rev().find(|l| {
+                l["role"] == role && l["path"] == name.as_str() && l["hash"].as_str().is_some_and(|h| !failed.contains(h))
+            });
+            match (on_disk, recorded) {
+                (Ok(s), _) if !failed.contains(s.version()) => Ok(s),
+                (now, Some(line)) => {
+                    let hash = line["hash"].as_str().unwrap_or_default();
+                    let source = fs::read_to_string(path.join("scripts").join(format!("{hash}.rhai")))
+                        .with_context(|| format!("reading the recorded version {hash} of {name}"))?;
+                    let why = match now {
+                        Ok(s) => format!("version {} failed during this run", s.version()),
+                        Err(e) => format!("it does not load ({e})"),
+                    };
+                    notes.push(format!("{name} on disk is not resumed ({why}): keeping version {hash}"));
+                    Ok(host.compile_source(file, &source)?)
+                }
+                (Ok(s), None) => Ok(s),
+                (Err(e), None) => Err(e.into()),
+            }
+        };
+        let env = EnvScript::from_script(pick("env", &exp.env)?)?;
+        let prompt = PromptScript::from_script(pick("prompt", &exp.prompt)?)?;
+        let rewards = exp
+            .rewards
+            .iter()
+            .map(|r| Ok(RewardScript::from_script(pick("reward", r)?)?))
+            .collect::<Result<_>>()?;
+        Ok((ExperimentScripts { env, prompt, rewards }, notes))
+    }
+
     /// The newest complete checkpoint (what `latest` names).
     pub fn latest_checkpoint(path: &Path) -> Result<PathBuf> {
         let latest = path.join("checkpoints/latest");
@@ -177,11 +233,28 @@ impl RunDir {
                 latest.display()
             )
         })?;
-        let dir = path.join("checkpoints").join(name.trim());
+        let name = name.trim();
+        if !name.strip_prefix("step-").is_some_and(|n| n.len() == 6 && n.bytes().all(|b| b.is_ascii_digit())) {
+            bail!("{}: {} names {name:?}, not a checkpoint like step-000012", path.display(), latest.display());
+        }
+        let dir = path.join("checkpoints").join(name);
         if !dir.join("state.json").exists() {
             bail!("{}: checkpoint {} is incomplete (no state.json)", path.display(), dir.display());
         }
         Ok(dir)
+    }
+
+    /// The step a checkpoint folder (step-000012) holds; its state.json must agree, so a forged
+    /// or damaged state cannot make `--resume` drop the run's metrics.
+    pub fn checkpoint_step(dir: &Path, state_step: u64) -> Result<u64> {
+        let named = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse().ok());
+        match named {
+            Some(n) if n == state_step && n > 0 => Ok(n),
+            _ => bail!(
+                "{}: state.json says step {state_step}, which does not match the checkpoint's folder; the checkpoint is damaged",
+                dir.display()
+            ),
+        }
     }
 }
 

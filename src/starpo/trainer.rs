@@ -37,7 +37,9 @@ use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
 use crate::policy::{Critic, Policy};
 use crate::rng::Rng;
-use crate::script::{Experiment, ExperimentScripts, Host, Limits, Loaded, Role, Update, WatchMode, Watcher};
+use crate::script::{
+    Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
+};
 
 /// The model when neither `--model` nor the experiment names one.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -126,6 +128,7 @@ pub fn train(opts: Options) -> Result<Summary> {
         let ckpt = RunDir::latest_checkpoint(&opts.run_dir)?;
         let st: State = serde_json::from_str(&std::fs::read_to_string(ckpt.join("state.json"))?)
             .with_context(|| format!("reading {}", ckpt.join("state.json").display()))?;
+        RunDir::checkpoint_step(&ckpt, st.step)?;
         (s, st.step, Some((ckpt, st)))
     } else {
         let s = resolve_settings(opts.preset, opts.algo, &exp.settings, &exp.path, &opts.sets)?;
@@ -135,7 +138,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         s.train.steps = n;
     }
     s.validate()?;
-    let mut scripts = exp.scripts(&host)?;
+    // A resumed run does not take back a version that failed during it.
+    let (mut scripts, resume_notes) =
+        if opts.resume { RunDir::resume_scripts(&opts.run_dir, &host, &exp)? } else { (exp.scripts(&host)?, Vec::new()) };
     // GPU 0 when built with `--features cuda` and one is present, else the CPU.
     let device = Device::cuda_if_available(0)?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
@@ -184,6 +189,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         "algo": opts.algo, "sets": opts.sets, "model_source": policy.source,
     }))?;
     record_versions(&mut run, start_step, &scripts)?;
+    for note in &resume_notes {
+        run.event(start_step, "reload_error", note, Map::new())?;
+    }
     let mut tb = TbWriter::new(run.path.join("tb"))?;
     let mut echo = EchoTrapMonitor::new(s.echo.clone());
     let n_params = policy.model.cfg.num_params() as f64;
@@ -221,6 +229,9 @@ pub fn train(opts: Options) -> Result<Summary> {
 
     // ---- the loop ----------------------------------------------------------------------------
     let watcher = watch(&host, &exp)?;
+    // The versions live edits replaced: where a swapped-in version fails on real turns, the
+    // one it replaced comes back (see `roll_back`).
+    let mut replaced: Vec<Loaded> = Vec::new();
     for step in start_step + 1..=total {
         if opts.stop.load(Ordering::SeqCst) {
             summary.interrupted = true;
@@ -233,6 +244,10 @@ pub fn train(opts: Options) -> Result<Summary> {
         for update in watcher.poll() {
             match update {
                 Update::Swapped { path, loaded, .. } => {
+                    if let Some(old) = loaded_at(&scripts, &path) {
+                        replaced.retain(|r| !same_file(&loaded_path(r), &path));
+                        replaced.push(old);
+                    }
                     let (name, old) = swap_in(&mut scripts, &path, loaded);
                     let msg = format!("swapped in {name} {old} → {}", current_version(&scripts, &path));
                     run.event(step, "swap", &msg, Map::new())?;
@@ -242,24 +257,35 @@ pub fn train(opts: Options) -> Result<Summary> {
                 Update::Rejected { error, .. } => {
                     let msg = format!("{error}; keeping the previous version");
                     bar.println(format!("step {step}: reload error: {msg}"));
-                    run.event(step, "reload_error", &msg, Map::new())?;
+                    run.event(step, "reload_error", &msg, error_fields(&error))?;
                 }
             }
         }
-        let params = scripts.env.params_from(&exp.params)?;
 
         // 2. Rollout: P × reuse groups (rollout freshness), N episodes each, fresh seeds.
         let n_groups = s.rollout.env_groups * s.optim.rollout_reuse;
         let first_seed = s.rollout.seed_base + (step - 1) * n_groups as u64;
-        let plan = Plan {
-            seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
-            group_size: s.rollout.group_size,
-            temperature: s.rollout.temperature,
-            params,
-        };
         let t0 = Instant::now();
-        let trajs =
-            rollout(&policy, &scripts, &plan, &s.rollout, &mut rng).with_context(|| format!("step {step}: rollout"))?;
+        let trajs = loop {
+            let start_rng = rng.clone();
+            let attempt = scripts.env.params_from(&exp.params).map_err(anyhow::Error::from).and_then(|params| {
+                let plan = Plan {
+                    seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
+                    group_size: s.rollout.group_size,
+                    temperature: s.rollout.temperature,
+                    params,
+                };
+                rollout(&policy, &scripts, &plan, &s.rollout, &mut rng)
+            });
+            match attempt {
+                Ok(trajs) => break trajs,
+                Err(e) => {
+                    // The step starts over on the restored version, from the same random state.
+                    roll_back(e, &mut scripts, &mut replaced, &run, step, &bar).with_context(|| format!("step {step}: rollout"))?;
+                    rng = start_rng;
+                }
+            }
+        };
         let rollout_s = t0.elapsed().as_secs_f64();
 
         // 3. Score and normalise per group.
@@ -366,7 +392,9 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 7. Validate.
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
-            validate(&policy, &scripts, &exp, &s, &run, step, &mut summary)?;
+            while let Err(e) = validate(&policy, &scripts, &exp, &s, &run, step, &mut summary) {
+                roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)?;
+            }
         }
         // 8. Checkpoint.
         let last = step == total;
@@ -454,6 +482,62 @@ fn watch(host: &Arc<Host>, exp: &Experiment) -> Result<Watcher> {
     // OS file events where they work; re-reading every second where they do not (some containers).
     Watcher::new(host.clone(), files.clone(), WatchMode::Events)
         .or_else(|_| Watcher::new(host.clone(), files, WatchMode::Poll(std::time::Duration::from_secs(1))))
+}
+
+/// A script failed during the step. When it is a version a live edit swapped in, put back the
+/// version it replaced, report it once (`script_error`, with the error's place) and return Ok so
+/// the caller tries again; any other failure ends the run, as before.
+fn roll_back(
+    err: anyhow::Error,
+    scripts: &mut ExperimentScripts,
+    replaced: &mut Vec<Loaded>,
+    run: &RunDir,
+    step: u64,
+    bar: &ProgressBar,
+) -> Result<()> {
+    let Some(e) = err.downcast_ref::<ScriptError>() else { return Err(err) };
+    let failed = [scripts.env.script(), scripts.prompt.script()]
+        .into_iter()
+        .chain(scripts.rewards.iter().map(|r| r.script()))
+        .find(|x| x.version() == e.version)
+        .map(|x| x.path.clone());
+    let Some(path) = failed else { return Err(err) };
+    let Some(at) = replaced.iter().position(|r| same_file(&loaded_path(r), &path)) else { return Err(err) };
+    let old = replaced.remove(at);
+    let restored = old.version();
+    swap_in(scripts, &path, old);
+    let msg = format!("{e}; rolled back to version {restored}");
+    bar.println(format!("step {step}: script error: {msg}"));
+    let mut extra = error_fields(e);
+    extra.insert("restored".into(), json!(restored));
+    run.event(step, "script_error", &msg, extra)?;
+    Ok(())
+}
+
+/// Where a script error is, as event fields.
+fn error_fields(e: &ScriptError) -> Map<String, Value> {
+    let v = json!({"path": e.path, "line": e.line, "col": e.col, "error": format!("{:?}", e.kind).to_lowercase(), "version": e.version});
+    v.as_object().cloned().unwrap_or_default()
+}
+
+/// The version in use for the script at `path`.
+fn loaded_at(s: &ExperimentScripts, path: &Path) -> Option<Loaded> {
+    if same_file(&s.env.script().path, path) {
+        return Some(Loaded::Env(s.env.clone()));
+    }
+    if same_file(&s.prompt.script().path, path) {
+        return Some(Loaded::Prompt(s.prompt.clone()));
+    }
+    s.rewards.iter().find(|r| same_file(&r.script().path, path)).map(|r| Loaded::Reward(r.clone()))
+}
+
+fn loaded_path(l: &Loaded) -> PathBuf {
+    match l {
+        Loaded::Env(s) => s.script().path.clone(),
+        Loaded::Prompt(s) => s.script().path.clone(),
+        Loaded::Reward(s) => s.script().path.clone(),
+        Loaded::Experiment(x) => x.path.clone(),
+    }
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {
