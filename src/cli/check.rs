@@ -8,7 +8,7 @@ use serde_json::{Map, Value};
 
 use crate::rng::Rng;
 use crate::script::validate::{self, Loaded, Role};
-use crate::script::{parse_assignment, EnvScript, Experiment, Host, Limits, ScriptError};
+use crate::script::{parse_assignment, EnvScript, ErrorKind, Experiment, Host, Limits, ScriptError};
 
 /// Check a script: it compiles, defines the functions its role needs (env, prompt template,
 /// reward shaping or experiment: told apart by its functions), and runs under the sandbox
@@ -40,10 +40,12 @@ pub fn check_env(env: &EnvScript, params: &Map<String, Value>, episodes: u64) ->
     let info = env.info(params)?;
     let mut report = EnvReport::default();
     let mut chooser = Rng::new(0xC4EC);
+    let started = std::time::Instant::now();
     let cap = info.max_actions.max(1);
     for seed in 0..episodes {
         let mut ep = env.reset(seed, seed % 3, params)?;
-        let mut trace = vec![ep.render()?];
+        // Digests, not the texts: an episode of 10,000 steps of megabyte renders fits in memory.
+        let mut trace = vec![digest(&ep.render()?)];
         let mut actions = Vec::new();
         while !ep.done && ep.steps < cap {
             let valid = ep.valid_actions()?;
@@ -53,8 +55,14 @@ pub fn check_env(env: &EnvScript, params: &Map<String, Value>, episodes: u64) ->
                 valid[chooser.below(valid.len() as u64) as usize].clone()
             };
             let out = ep.step(&action)?;
-            trace.push(format!("{action} {out:?} {}", ep.render()?));
+            trace.push(digest(&format!("{action} {out:?} {}", ep.render()?)));
             actions.push(action);
+            if started.elapsed() > CHECK_BUDGET {
+                return Err(ScriptError::new(env.name(), format!(
+                    "check: {} random episodes did not finish within {} s ({} steps so far); pass fewer --episodes or make episodes end sooner",
+                    episodes, CHECK_BUDGET.as_secs(), report.steps
+                )).kind(ErrorKind::Timeout));
+            }
             report.steps += 1;
             report.successes += out.success as u64;
         }
@@ -67,12 +75,20 @@ pub fn check_env(env: &EnvScript, params: &Map<String, Value>, episodes: u64) ->
 }
 
 /// The same seed, stream and actions must give the same states, observations and rewards.
+/// Wall-clock budget of `check`'s random episodes (each call also has its own limits).
+const CHECK_BUDGET: std::time::Duration = std::time::Duration::from_secs(120);
+
+fn digest(text: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes()).into()
+}
+
 fn determinism(
     env: &EnvScript,
     params: &Map<String, Value>,
     seed: u64,
     state: &Value,
-    trace: &[String],
+    trace: &[[u8; 32]],
     actions: &[String],
 ) -> Result<(), ScriptError> {
     let fail = |what: &str| {
@@ -86,10 +102,10 @@ fn determinism(
         return Err(fail("start state from reset"));
     }
     let mut ep = env.reset(seed, seed % 3, params)?;
-    let mut again = vec![ep.render()?];
+    let mut again = vec![digest(&ep.render()?)];
     for action in actions {
         let out = ep.step(action)?;
-        again.push(format!("{action} {out:?} {}", ep.render()?));
+        again.push(digest(&format!("{action} {out:?} {}", ep.render()?)));
     }
     if again != trace || ep.state_json() != *state {
         return Err(fail("episode for the same actions"));
@@ -152,6 +168,22 @@ pub fn check(
             }
             out.push(prompt_line(&x.prompt));
             out.extend(x.rewards.iter().map(|r| reward_line(r)));
+            // The settings as `train` would resolve them (default preset, no flags).
+            let settings = crate::starpo::trainer::resolve_settings(
+                crate::starpo::settings::Preset::StarpoS,
+                None,
+                &x.settings,
+                &x.path,
+                &[],
+            );
+            if let Err(e) = settings {
+                let script = host.compile(path);
+                let msg = format!("settings: {e:#}");
+                out.push(Err(match script {
+                    Ok(s) => s.error_in("experiment", ErrorKind::Contract, msg),
+                    Err(e) => e,
+                }));
+            }
             let name = crate::script::project_of(path);
             let name =
                 path.canonicalize().ok().and_then(|p| p.strip_prefix(&name).ok().map(|p| p.display().to_string()));

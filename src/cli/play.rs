@@ -55,7 +55,8 @@ impl Game {
         if self.json {
             println!("{v}");
         } else {
-            println!("{text}");
+            // A script's text reaches a terminal: escape control characters (JSON escapes its own).
+            println!("{}", crate::script::printable(&text));
         }
         let _ = std::io::stdout().flush();
     }

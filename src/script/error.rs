@@ -80,7 +80,7 @@ impl ScriptError {
             path: path.into(),
             line: 0,
             col: 0,
-            message: printable(&message.into(), MAX_MESSAGE),
+            message: printable_cut(&message.into(), MAX_MESSAGE),
             call_chain: Vec::new(),
         }
     }
@@ -167,9 +167,13 @@ fn kind_of(err: &EvalAltResult) -> ErrorKind {
 /// Messages are cut to this many bytes (a script can throw a megabyte).
 const MAX_MESSAGE: usize = 2000;
 
-/// `text` safe for a terminal and a log line: control characters escaped (`\u{1b}`), cut at
-/// `max` bytes with an ellipsis.
-pub(crate) fn printable(text: &str, max: usize) -> String {
+/// `text` safe for a terminal: control characters other than newline and tab escaped (`\u{1b}`).
+pub fn printable(text: &str) -> String {
+    printable_cut(text, usize::MAX)
+}
+
+/// [`printable`], cut at `max` bytes with an ellipsis.
+pub(crate) fn printable_cut(text: &str, max: usize) -> String {
     let mut out = String::with_capacity(text.len().min(max));
     for c in text.chars() {
         if out.len() >= max {

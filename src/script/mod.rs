@@ -51,7 +51,7 @@ mod sandbox;
 mod stdlib;
 
 pub use engine::{project_of, Host, Limits, Script, SCRIPT_ROOTS};
-pub use error::{display_path, ErrorKind, ScriptError};
+pub use error::{display_path, printable, ErrorKind, ScriptError};
 pub use memory::Counted;
 pub use resolver::{confine, read_script, MAX_IMPORT_DEPTH};
 mod env;

@@ -14,7 +14,7 @@ use std::time::Instant;
 use rhai::{Array, Blob, Dynamic, EvalAltResult, FnPtr, ImmutableString, Map, Position};
 
 use super::engine::Limits;
-use super::error::{printable, ErrorKind};
+use super::error::{printable_cut, ErrorKind};
 use super::memory;
 
 /// Why the progress callback stopped a call: the `ErrorTerminated` token, read back by
@@ -93,24 +93,26 @@ pub(crate) fn on_progress(_ops: u64) -> Option<Dynamic> {
     })
 }
 
+const PREFIX: &str = "[script] ";
+
 /// `print` and `debug`: to stderr, control characters escaped, at most `Limits::max_output`
 /// bytes per call (one note says where it was cut).
 pub(crate) fn emit(text: &str) {
     let allowed = BUDGET.with(|b| match b.borrow_mut().as_mut() {
         Some(b) => {
             let before = b.output_left;
-            b.output_left = before.saturating_sub(text.len() + 1);
+            b.output_left = before.saturating_sub(PREFIX.len() + text.len() + 1);
             Some(before)
         }
         None => None,
     });
     match allowed {
         Some(0) => {}
-        Some(left) if text.len() + 1 > left => {
-            eprintln!("[script] {}", printable(text, left));
-            eprintln!("[script] … further output of this call dropped (Limits::max_output)");
+        Some(left) if PREFIX.len() + text.len() + 1 > left => {
+            eprintln!("{PREFIX}{}", printable_cut(text, left.saturating_sub(PREFIX.len() + 1)));
+            eprintln!("{PREFIX}… further output of this call dropped (Limits::max_output)");
         }
-        _ => eprintln!("[script] {}", printable(text, usize::MAX)),
+        _ => eprintln!("{PREFIX}{}", printable_cut(text, usize::MAX)),
     }
 }
 

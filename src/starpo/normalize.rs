@@ -3,17 +3,27 @@
 use super::settings::RewardNorm;
 
 /// Mean and sample (Bessel-corrected, as torch's `std`) standard deviation; std 0 for one element.
+/// Computed on the scores divided by their largest magnitude, so scores near ±1e308 do not
+/// overflow the sums (the result saturates to ±inf only where it is itself beyond f64).
 pub fn mean_std(xs: &[f64]) -> (f64, f64) {
-    let n = xs.len() as f64;
+    let (scale, mean, std) = scaled_mean_std(xs);
+    (mean * scale, std * scale)
+}
+
+/// (s, μ/s, σ/s) with s the largest |x| (1 when every x is 0).
+fn scaled_mean_std(xs: &[f64]) -> (f64, f64, f64) {
     if xs.is_empty() {
-        return (0.0, 0.0);
+        return (1.0, 0.0, 0.0);
     }
-    let mean = xs.iter().sum::<f64>() / n;
+    let max = xs.iter().fold(0.0_f64, |m, x| m.max(x.abs()));
+    let scale = if max > 0.0 && max.is_finite() { max } else { 1.0 };
+    let n = xs.len() as f64;
+    let mean = xs.iter().map(|x| x / scale).sum::<f64>() / n;
     if xs.len() < 2 {
-        return (mean, 0.0);
+        return (scale, mean, 0.0);
     }
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    (mean, var.sqrt())
+    let var = xs.iter().map(|x| (x / scale - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (scale, mean, var.sqrt())
 }
 
 /// Normalise one group's scores.
@@ -22,15 +32,18 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
 /// `scores`: [N] (one group) → [N].
 ///
 /// `mean_std` is (x − μ)/(σ + 1e-6), or all zeros when σ < 1e-6 (RAGEN checks σ over the whole
-/// batch; we check it per group, so one constant group cannot blow up while others vary).
+/// batch; we check it per group, so one constant group cannot blow up while others vary). It is
+/// computed on scaled scores (see [`mean_std`]), so extreme but finite scores stay finite.
 pub fn normalize_group(scores: &[f64], method: RewardNorm) -> Vec<f64> {
-    let (mu, sigma) = mean_std(scores);
-    let standard = |x: f64| if sigma < 1e-6 { 0.0 } else { (x - mu) / (sigma + 1e-6) };
+    let (scale, mu, sigma) = scaled_mean_std(scores);
+    // (x − μ)/(σ + ε) with every term divided by `scale`.
+    let standard =
+        |x: f64| if sigma * scale < 1e-6 { 0.0 } else { (x / scale - mu) / (sigma + 1e-6 / scale) };
     scores
         .iter()
         .map(|&x| match method {
             RewardNorm::Identity => x,
-            RewardNorm::Mean => x - mu,
+            RewardNorm::Mean => (x / scale - mu) * scale,
             RewardNorm::MeanStd => standard(x),
             RewardNorm::AsymClip => standard(x).clamp(-1.0, 3.0),
         })
