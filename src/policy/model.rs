@@ -22,6 +22,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::Config;
 use super::kernels;
+use super::lora::{Adapter, LoraConfig};
 use crate::rng::Rng;
 
 /// Which ops the forward pass uses and whether it records a graph (see the module doc).
@@ -44,21 +45,28 @@ impl Mode {
     }
 }
 
-/// A projection `y = x Wᵀ (+ b)`, `W` as HF stores it: `[out, in]`.
+/// A projection `y = x Wᵀ (+ b)`, `W` as HF stores it: `[out, in]`, plus a LoRA adapter's term
+/// when it has one.
+#[derive(Clone)]
 pub struct Linear {
     pub weight: Var,
     pub bias: Option<Var>,
+    pub lora: Option<Adapter>,
 }
 
 impl Linear {
+    /// `base` is how the weight itself is read (frozen under LoRA), `mode` how the adapter is.
     /// # Shapes
     /// x: [N, in] → [N, out]
-    fn forward(&self, x: &Tensor, mode: Mode) -> Result<Tensor> {
-        let y = project(x, &mode.weight(&self.weight))?;
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(&mode.weight(b))?,
-            None => y,
-        })
+    fn forward(&self, x: &Tensor, mode: Mode, base: Mode, dropout_seed: Option<u64>) -> Result<Tensor> {
+        let mut y = project(x, &base.weight(&self.weight))?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(&base.weight(b))?;
+        }
+        if let Some(ad) = &self.lora {
+            y = (y + ad.forward(x, mode, dropout_seed)?)?;
+        }
+        Ok(y)
     }
 }
 
@@ -70,7 +78,7 @@ const FEW_ROWS: usize = 256;
 /// left-hand side it streams W as stored, 1.5–5× faster at 16–128 rows here (docs/models.md).
 /// # Shapes
 /// x: [N, in], w: [out, in] → [N, out]
-fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if x.dim(0)? <= FEW_ROWS {
         Ok(w.matmul(&x.t()?)?.t()?)
     } else {
@@ -78,6 +86,7 @@ fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
 }
 
+#[derive(Clone)]
 pub struct Layer {
     pub input_layernorm: Var,
     pub q_proj: Linear,
@@ -91,6 +100,42 @@ pub struct Layer {
 }
 
 impl Layer {
+    /// The projections with their module path after `model.layers.{l}.`.
+    pub fn linears(&self) -> [(&'static str, &Linear); 7] {
+        [
+            ("self_attn.q_proj", &self.q_proj),
+            ("self_attn.k_proj", &self.k_proj),
+            ("self_attn.v_proj", &self.v_proj),
+            ("self_attn.o_proj", &self.o_proj),
+            ("mlp.gate_proj", &self.gate_proj),
+            ("mlp.up_proj", &self.up_proj),
+            ("mlp.down_proj", &self.down_proj),
+        ]
+    }
+
+    pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        [
+            ("self_attn.q_proj", &mut self.q_proj),
+            ("self_attn.k_proj", &mut self.k_proj),
+            ("self_attn.v_proj", &mut self.v_proj),
+            ("self_attn.o_proj", &mut self.o_proj),
+            ("mlp.gate_proj", &mut self.gate_proj),
+            ("mlp.up_proj", &mut self.up_proj),
+            ("mlp.down_proj", &mut self.down_proj),
+        ]
+    }
+
+    /// Every weight a gradient can reach: the layer's own and its adapters'.
+    fn all_vars(&self) -> Vec<&Var> {
+        let mut out: Vec<&Var> = self.named_vars().into_iter().map(|(_, v)| v).collect();
+        for (_, lin) in self.linears() {
+            if let Some(ad) = &lin.lora {
+                out.extend([&ad.a, &ad.b]);
+            }
+        }
+        out
+    }
+
     /// The layer's weights, named as in HF after `model.layers.{l}.`, in HF order.
     pub fn named_vars(&self) -> Vec<(String, &Var)> {
         let mut out = vec![("input_layernorm.weight".to_string(), &self.input_layernorm)];
@@ -112,7 +157,11 @@ impl Layer {
 /// Move the gradients of `vars` from `from` into `into`, adding where `into` has one already.
 /// The rest of `from` is dropped: candle's backward also leaves gradients on the constants a
 /// graph reads (RoPE tables, masks, broadcasts), hundreds of MB per pass that nothing uses.
-pub fn move_grads<'a>(into: &mut GradStore, mut from: GradStore, vars: impl IntoIterator<Item = &'a Var>) -> Result<()> {
+pub fn move_grads<'a>(
+    into: &mut GradStore,
+    mut from: GradStore,
+    vars: impl IntoIterator<Item = &'a Var>,
+) -> Result<()> {
     for v in vars {
         if let Some(g) = from.remove(v.as_tensor()) {
             let g = match into.remove(v.as_tensor()) {
@@ -126,6 +175,8 @@ pub fn move_grads<'a>(into: &mut GradStore, mut from: GradStore, vars: impl Into
 }
 
 /// The transformer with its weights. `lm_head` is `None` when tied to `embed_tokens`.
+/// A clone shares the weights (a `Var` is a shared handle); `deep_copy` copies them.
+#[derive(Clone)]
 pub struct Decoder {
     pub cfg: Config,
     pub embed_tokens: Var,
@@ -135,6 +186,11 @@ pub struct Decoder {
     /// Training passes keep only each layer's input and recompute the layer in the backward
     /// pass (activation checkpointing): about a third more compute, a fraction of the memory.
     pub checkpoint_layers: bool,
+    /// The adapters' settings while the projections carry LoRA adapters (`lora::attach`);
+    /// the decoder's own weights are then frozen.
+    pub lora: Option<LoraConfig>,
+    /// Seeds the adapters' dropout: one draw per training pass (the trainer sets it per step).
+    pub dropout_seed: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Keys and values of every layer, allocated once for `capacity` positions.
@@ -319,6 +375,7 @@ impl Decoder {
             Ok(Linear {
                 weight: take(vars, &format!("{p}.weight"))?,
                 bias: if bias { Some(take(vars, &format!("{p}.bias"))?) } else { None },
+                lora: None,
             })
         };
         let qkv_bias = cfg.family.qkv_bias();
@@ -344,6 +401,8 @@ impl Decoder {
             layers,
             cfg,
             checkpoint_layers: false,
+            lora: None,
+            dropout_seed: Default::default(),
         })
     }
 
@@ -388,6 +447,18 @@ impl Decoder {
         })
     }
 
+    /// A decoder on the same (shared) weights without adapters.
+    pub fn without_adapters(&self) -> Self {
+        let mut d = self.clone();
+        for layer in &mut d.layers {
+            for (_, lin) in layer.linears_mut() {
+                lin.lora = None;
+            }
+        }
+        d.lora = None;
+        d
+    }
+
     pub fn device(&self) -> &Device {
         self.embed_tokens.device()
     }
@@ -400,7 +471,8 @@ impl Decoder {
     /// # Shapes
     /// hidden: [N, H] → logits [N, V]
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(hidden.matmul(&self.lm_head_weight().t()?)?)
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        Ok(hidden.matmul(&self.base(Mode::Train).weight(head).t()?)?)
     }
 
     /// `logits` without a graph through the weights (sampling, no-grad scoring).
@@ -462,7 +534,8 @@ impl Decoder {
                 bail!("kv cache full: {} + {t} positions > capacity {}", c.len, c.capacity);
             }
         }
-        let pass = self.pass(b, t, offset, starts)?;
+        let seed = (mode == Mode::Train).then(|| self.next_dropout_seed());
+        let pass = self.pass(b, t, offset, starts, seed)?;
         let mut x = self.embed(ids, mode)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let kv = match &mut past {
@@ -480,17 +553,25 @@ impl Decoder {
 
     /// Token embeddings, `[B*T, H]`.
     fn embed(&self, ids: &Tensor, mode: Mode) -> Result<Tensor> {
-        Ok(mode.weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?)
+        Ok(self.base(mode).weight(&self.embed_tokens).index_select(&ids.flatten_all()?, 0)?)
     }
 
     /// # Shapes
     /// x: [B*T, H] → [B, T, H]
     fn final_norm(&self, x: &Tensor, b: usize, t: usize, mode: Mode) -> Result<Tensor> {
-        Ok(rms_norm(x, &self.norm, self.cfg.rms_norm_eps, mode)?.reshape((b, t, self.cfg.hidden_size))?)
+        let w = self.base(mode).weight(&self.norm);
+        Ok(rms_norm(x, &w, self.cfg.rms_norm_eps, mode)?.reshape((b, t, self.cfg.hidden_size))?)
     }
 
     /// What every layer of a pass over `[B, T]` tokens after `offset` earlier positions shares.
-    fn pass<'a>(&self, b: usize, t: usize, offset: usize, starts: &'a [usize]) -> Result<Pass<'a>> {
+    fn pass<'a>(
+        &self,
+        b: usize,
+        t: usize,
+        offset: usize,
+        starts: &'a [usize],
+        dropout_seed: Option<u64>,
+    ) -> Result<Pass<'a>> {
         if starts.len() != b {
             bail!("{} row starts for a batch of {b}", starts.len());
         }
@@ -498,7 +579,29 @@ impl Decoder {
         let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
         // On the CPU the mask is applied inside the fused softmax; elsewhere it is a tensor.
         let mask = if dev.is_cpu() { None } else { Some(attention_mask(b, t, offset, starts, dev)?) };
-        Ok(Pass { b, t, kv_len: offset + t, starts, cos, sin, mask })
+        Ok(Pass { b, t, kv_len: offset + t, starts, cos, sin, mask, dropout_seed })
+    }
+
+    /// How the decoder's own weights are read in `mode`: frozen (detached) while it has adapters.
+    fn base(&self, mode: Mode) -> Mode {
+        if self.lora.is_some() && mode == Mode::Train {
+            Mode::Score
+        } else {
+            mode
+        }
+    }
+
+    fn next_dropout_seed(&self) -> u64 {
+        self.dropout_seed.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The weights training updates with their names: the adapters' (PEFT names) under LoRA,
+    /// else every weight (HF names).
+    pub fn trainable_vars(&self) -> Vec<(String, Var)> {
+        match self.lora {
+            Some(_) => super::lora::named_vars(self),
+            None => self.named_vars(),
+        }
     }
 
     /// One transformer layer: pre-norm attention and SwiGLU MLP, each with its residual.
@@ -514,11 +617,13 @@ impl Decoder {
         mode: Mode,
     ) -> Result<Tensor> {
         let eps = self.cfg.rms_norm_eps;
-        let normed = rms_norm(x, &layer.input_layernorm, eps, mode)?;
+        let base = self.base(mode);
+        let normed = rms_norm(x, &base.weight(&layer.input_layernorm), eps, mode)?;
         let x = (x + self.attention(layer, &normed, pass, kv, record, mode)?)?;
-        let normed = rms_norm(&x, &layer.post_attention_layernorm, eps, mode)?;
-        let gate = layer.gate_proj.forward(&normed, mode)?.silu()?;
-        let mlp = layer.down_proj.forward(&(gate * layer.up_proj.forward(&normed, mode)?)?, mode)?;
+        let normed = rms_norm(&x, &base.weight(&layer.post_attention_layernorm), eps, mode)?;
+        let linear = |lin: &Linear, x: &Tensor| lin.forward(x, mode, base, pass.dropout_seed);
+        let gate = linear(&layer.gate_proj, &normed)?.silu()?;
+        let mlp = linear(&layer.down_proj, &(gate * linear(&layer.up_proj, &normed)?)?)?;
         Ok((x + mlp)?)
     }
 
@@ -537,9 +642,12 @@ impl Decoder {
         }
         let (b, t) = ids.dims2()?;
         let zeros = vec![0; b];
-        let rows_pass = self.pass(b, t, prefix.len(), &zeros)?;
+        // Seeds in the order the unchecked path draws them (the prefix's pass first).
+        let prefix_seed = if prefix.is_empty() { 0 } else { self.next_dropout_seed() };
+        let seeds = [self.next_dropout_seed(), prefix_seed];
+        let rows_pass = self.pass(b, t, prefix.len(), &zeros, Some(seeds[0]))?;
         let prefix_ids = Tensor::from_vec(prefix.to_vec(), (1, prefix.len()), self.device())?;
-        let prefix_pass = self.pass(1, prefix.len(), 0, &[0])?;
+        let prefix_pass = self.pass(1, prefix.len(), 0, &[0], Some(seeds[1]))?;
         let mut x = self.embed(ids, Mode::Score)?;
         let mut xp = if prefix.is_empty() { None } else { Some(self.embed(&prefix_ids, Mode::Score)?) };
         let mut inputs = Vec::with_capacity(self.layers.len() + 1);
@@ -554,7 +662,7 @@ impl Decoder {
         }
         let hidden = self.final_norm(&x, b, t, Mode::Score)?;
         inputs.push((x, None)); // the prefix's final hidden states are not used
-        Ok((hidden, Backprop::Checkpointed(Checkpoints { ids: ids.clone(), prefix_ids, inputs })))
+        Ok((hidden, Backprop::Checkpointed(Checkpoints { ids: ids.clone(), prefix_ids, inputs, seeds })))
     }
 
     /// Add into `grads` the gradients of every weight for `Σ grad · hidden`, recomputing layer
@@ -564,8 +672,8 @@ impl Decoder {
         let (b, t) = ck.ids.dims2()?;
         let p = ck.prefix_ids.dim(1)?;
         let zeros = vec![0; b];
-        let rows_pass = self.pass(b, t, p, &zeros)?;
-        let prefix_pass = self.pass(1, p, 0, &[0])?;
+        let rows_pass = self.pass(b, t, p, &zeros, Some(ck.seeds[0]))?;
+        let prefix_pass = self.pass(1, p, 0, &[0], Some(ck.seeds[1]))?;
         let mut inputs = ck.inputs;
         let (x_last, _) = inputs.pop().context("no layer inputs")?;
         let x = Var::from_tensor(&x_last)?;
@@ -578,7 +686,14 @@ impl Decoder {
             let xp = xp_in.as_ref().map(Var::from_tensor).transpose()?;
             let mut kv = Vec::with_capacity(1);
             let yp = match &xp {
-                Some(xp) => Some(self.block(layer, xp.as_tensor(), &prefix_pass, LayerPast::None, Some(&mut kv), Mode::Train)?),
+                Some(xp) => Some(self.block(
+                    layer,
+                    xp.as_tensor(),
+                    &prefix_pass,
+                    LayerPast::None,
+                    Some(&mut kv),
+                    Mode::Train,
+                )?),
                 None => None,
             };
             let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
@@ -593,7 +708,7 @@ impl Decoder {
                 Some(xp) => Some(layer_grads.remove(xp.as_tensor()).map_or_else(|| xp.as_tensor().zeros_like(), Ok)?),
                 None => None,
             };
-            move_grads(grads, layer_grads, layer.named_vars().into_iter().map(|(_, v)| v))?;
+            move_grads(grads, layer_grads, layer.all_vars())?;
         }
         let mut surrogate = (self.embed(&ck.ids, Mode::Train)? * g)?.sum_all()?;
         if let Some(gp) = gp {
@@ -641,16 +756,17 @@ impl Decoder {
         record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
-        let Pass { b, t, kv_len, starts, ref cos, ref sin, ref mask } = *pass;
+        let Pass { b, t, kv_len, starts, ref cos, ref sin, ref mask, .. } = *pass;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let group = nh / nkv;
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous()?) // [B, n, T, hd]
         };
-        let q = rope(&heads(layer.q_proj.forward(x, mode)?, nh)?, cos, sin, mode)?;
-        let k = rope(&heads(layer.k_proj.forward(x, mode)?, nkv)?, cos, sin, mode)?;
-        let v = heads(layer.v_proj.forward(x, mode)?, nkv)?;
+        let linear = |lin: &Linear, x: &Tensor| lin.forward(x, mode, self.base(mode), pass.dropout_seed);
+        let q = rope(&heads(linear(&layer.q_proj, x)?, nh)?, cos, sin, mode)?;
+        let k = rope(&heads(linear(&layer.k_proj, x)?, nkv)?, cos, sin, mode)?;
+        let v = heads(linear(&layer.v_proj, x)?, nkv)?;
         if let Some(r) = record {
             r.push((k.clone(), v.clone()));
         }
@@ -688,7 +804,7 @@ impl Decoder {
         };
         let out = probs.reshape((b, nkv, group * t, kv_len))?.matmul(&v)?; // [B, nkv, g*T, hd]
         let out = out.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b * t, nh * hd))?;
-        layer.o_proj.forward(&out, mode)
+        linear(&layer.o_proj, &out)
     }
 }
 
@@ -704,6 +820,8 @@ struct Pass<'a> {
     sin: Tensor,
     /// Additive mask on devices without the fused softmax.
     mask: Option<Tensor>,
+    /// Set in training passes: seeds the adapters' dropout.
+    dropout_seed: Option<u64>,
 }
 
 /// Layer inputs of a checkpointed training pass, detached: rows `[B*T, H]` and the shared
@@ -712,6 +830,8 @@ pub struct Checkpoints {
     ids: Tensor,
     prefix_ids: Tensor,
     inputs: Vec<(Tensor, Option<Tensor>)>,
+    /// Dropout seeds of the rows' and the prefix's passes, for the recomputation.
+    seeds: [u64; 2],
 }
 
 /// How a training pass's final hidden states back-propagate into the weights.
@@ -728,7 +848,7 @@ impl Backprop {
     pub fn backward(self, model: &Decoder, grad: &Tensor, grads: &mut GradStore) -> Result<()> {
         match self {
             Backprop::Graph(hidden) => {
-                let vars: Vec<Var> = model.named_vars().into_iter().map(|(_, v)| v).collect();
+                let vars: Vec<Var> = model.trainable_vars().into_iter().map(|(_, v)| v).collect();
                 move_grads(grads, (hidden * grad.detach())?.sum_all()?.backward()?, &vars)
             }
             Backprop::Checkpointed(ck) => model.backward_checkpointed(ck, grad, grads),
@@ -764,8 +884,7 @@ pub fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: 
 
 /// # Shapes
 /// x: [N, H], weight: [H] → [N, H]
-fn rms_norm(x: &Tensor, weight: &Var, eps: f64, mode: Mode) -> Result<Tensor> {
-    let w = mode.weight(weight);
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
     Ok(match mode {
         Mode::Train | Mode::Score => candle_nn::ops::rms_norm_slow(x, &w, eps as f32)?,
         Mode::Sample => candle_nn::ops::rms_norm(&x.contiguous()?, &w, eps as f32)?,

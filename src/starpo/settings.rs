@@ -200,7 +200,22 @@ settings_section! {
     }
 }
 
-/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`, `echo.*`.
+settings_section! {
+    /// LoRA: train low-rank adapters on a frozen model instead of every weight.
+    Lora {
+        /// Adapter rank r; 0 = full fine-tuning (no adapters).
+        rank: usize = 0,
+        /// Scale numerator: adapters add (alpha / r) · B A.
+        alpha: f64 = 32.0,
+        /// Projections that get adapters: `all-linear` or a comma-separated list of q_proj,
+        /// k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj.
+        targets: String = "all-linear".to_string(),
+        /// Dropout on the adapters' inputs while training.
+        dropout: f64 = 0.0,
+    }
+}
+
+/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`, `lora.*`, `echo.*`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
@@ -208,6 +223,7 @@ pub struct Settings {
     pub starpo: Starpo,
     pub optim: Optim,
     pub train: Train,
+    pub lora: Lora,
     /// Echo-Trap alarm thresholds (declared by the metrics module).
     pub echo: EchoSettings,
 }
@@ -272,6 +288,15 @@ impl Settings {
         }
     }
 
+    /// The adapters to train, or `None` for full fine-tuning (`lora.rank` 0).
+    pub fn lora_config(&self) -> Result<Option<crate::policy::lora::LoraConfig>> {
+        let l = &self.lora;
+        if l.rank == 0 {
+            return Ok(None);
+        }
+        crate::policy::lora::LoraConfig::new(l.rank, l.alpha, &l.targets, l.dropout).map(Some)
+    }
+
     /// Whether a critic is trained (GAE and bi-level GAE need one).
     pub fn needs_critic(&self) -> bool {
         matches!(self.starpo.advantage, AdvantageKind::Gae | AdvantageKind::BiLevelGae)
@@ -280,11 +305,12 @@ impl Settings {
     /// Every dotted key with its default (as JSON text) and doc, in declaration order.
     pub fn describe() -> Vec<(String, String, String)> {
         let defaults = serde_json::to_value(Settings::default()).expect("settings serialise");
-        let sections: [(&str, &[(&str, &str)]); 5] = [
+        let sections: [(&str, &[(&str, &str)]); 6] = [
             ("rollout", Rollout::DOCS),
             ("starpo", Starpo::DOCS),
             ("optim", Optim::DOCS),
             ("train", Train::DOCS),
+            ("lora", Lora::DOCS),
             ("echo", EchoSettings::DOCS),
         ];
         let mut out = Vec::new();
@@ -379,6 +405,7 @@ impl Settings {
                 bail!("invalid settings: {msg}");
             }
         }
+        self.lora_config().context("invalid settings")?;
         Ok(())
     }
 }
@@ -468,10 +495,27 @@ mod tests {
     }
 
     #[test]
+    fn lora_settings_are_checked() {
+        let mut s = Settings::default();
+        assert_eq!(s.lora_config().unwrap(), None, "rank 0: full fine-tuning");
+        s.apply_flag("lora.rank=8").unwrap();
+        assert_eq!(s.lora_config().unwrap().unwrap().targets.len(), 7);
+        s.apply_flag("lora.targets=q_proj, v_proj").unwrap();
+        assert_eq!(s.lora_config().unwrap().unwrap().targets, ["q_proj", "v_proj"]);
+        s.apply_flag("lora.targets=qproj").unwrap();
+        let e = format!("{:#}", s.validate().unwrap_err());
+        assert!(e.contains("unknown module \"qproj\""), "{e}");
+    }
+
+    #[test]
     fn describe_lists_every_field_with_doc() {
         let d = Settings::describe();
-        let n =
-            Rollout::DOCS.len() + Starpo::DOCS.len() + Optim::DOCS.len() + Train::DOCS.len() + EchoSettings::DOCS.len();
+        let n = Rollout::DOCS.len()
+            + Starpo::DOCS.len()
+            + Optim::DOCS.len()
+            + Train::DOCS.len()
+            + Lora::DOCS.len()
+            + EchoSettings::DOCS.len();
         assert_eq!(d.len(), n);
         let clip = d.iter().find(|(k, _, _)| k == "starpo.clip_high").unwrap();
         assert_eq!(clip.1, "0.28");

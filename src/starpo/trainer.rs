@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
@@ -35,7 +35,7 @@ use crate::metrics::collapse::template_collapse;
 use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor, MutualInfo};
 use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
-use crate::policy::{Critic, Policy};
+use crate::policy::{lora, Critic, Policy};
 use crate::rng::Rng;
 use crate::script::{
     Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
@@ -115,7 +115,7 @@ struct State {
 pub fn train(opts: Options) -> Result<Summary> {
     let t_start = Instant::now();
     // ---- setup -------------------------------------------------------------------------------
-    let host = Host::for_script(&opts.experiment, Limits::default());
+    let host = Host::for_script(&opts.experiment, Limits::from_env().map_err(anyhow::Error::msg)?);
     let exp = Experiment::load(&host, &opts.experiment)?;
     let (mut s, start_step, resume_from) = if opts.resume {
         let saved = RunDir::read_settings(&opts.run_dir)?;
@@ -147,24 +147,33 @@ pub fn train(opts: Options) -> Result<Summary> {
     if opts.progress {
         eprintln!("ragen-lab train: {} with {} → {}", opts.experiment.display(), model, opts.run_dir.display());
     }
-    let base = Policy::load(&model, &device)?;
-    let reference = if s.starpo.kl_coef > 0.0 { Some(base.deep_copy()?) } else { None };
+    let mut base = Policy::load(&model, &device)?;
+    // Under LoRA the policy is the base with adapters, and the reference and the critic share
+    // its frozen weights; fully fine-tuned, each is its own copy.
+    let lora = s.lora_config()?;
+    let reference = if s.starpo.kl_coef > 0.0 { Some(base.reference(lora.is_some())?) } else { None };
     let (mut policy, mut critic) = match &resume_from {
         Some((ckpt, _)) => {
-            let p = Policy::load(&ckpt.join("policy").display().to_string(), &device)?;
-            let c = if s.needs_critic() { Some(Critic::load(&ckpt.join("critic"), &device)?) } else { None };
+            let p = base.load_saved(&ckpt.join("policy"))?;
+            let c = if s.needs_critic() { Some(Critic::load(&ckpt.join("critic"), &p)?) } else { None };
             (p, c)
         }
         None => {
+            if let Some(cfg) = &lora {
+                lora::attach(&mut base.model, cfg, s.train.seed)?;
+            }
             let c = if s.needs_critic() { Some(Critic::from_policy(&base, s.train.seed)?) } else { None };
             (base, c)
         }
     };
+    if policy.model.lora != lora {
+        bail!("the checkpoint's adapters do not match the run's lora.* settings");
+    }
     policy.model.checkpoint_layers = s.optim.checkpoint_layers;
     if let Some(c) = critic.as_mut() {
         c.backbone.checkpoint_layers = s.optim.checkpoint_layers;
     }
-    let mut actor_opt = AdamW::new(policy.model.named_vars(), s.optim.lr, &s.optim)?;
+    let mut actor_opt = AdamW::new(policy.model.trainable_vars(), s.optim.lr, &s.optim)?;
     let mut critic_opt = match &critic {
         Some(c) => Some(AdamW::new(c.named_vars(), s.optim.critic_lr, &s.optim)?),
         None => None,
@@ -215,7 +224,7 @@ pub fn train(opts: Options) -> Result<Summary> {
                 policy.save(&dir.join("policy"))?;
                 a.save(&dir.join("optimizer.safetensors"))?;
                 if let (Some(cr), Some(co)) = (critic, c) {
-                    cr.save(&dir.join("critic"))?;
+                    cr.save(&dir.join("critic"), &policy.spec)?;
                     co.save(&dir.join("critic_optimizer.safetensors"))?;
                 }
                 let st = State { step, rng: rng.state(), time: now() };
@@ -239,6 +248,11 @@ pub fn train(opts: Options) -> Result<Summary> {
         }
         let t_step = Instant::now();
         phase::take(); // what ran between steps (validation, checkpoints) is not this step's
+        // Adapter dropout seeds follow the step, so a resumed run drops what an unbroken one did.
+        policy.model.dropout_seed.store(step << 32, Ordering::Relaxed);
+        if let Some(c) = &critic {
+            c.backbone.dropout_seed.store((step << 32) | 1 << 31, Ordering::Relaxed);
+        }
 
         // 1. Swap in edited scripts at the boundary (the watcher compiled and smoke-tested them).
         for update in watcher.poll() {
