@@ -604,3 +604,27 @@ fn the_shipped_scripts_still_load() {
         exp.scripts(&host).unwrap();
     }
 }
+
+#[test]
+fn an_error_inside_a_standard_function_points_at_its_call() {
+    let e = attack("fn run() {\n  let r = range(0, 10, 0);\n}\n");
+    assert_at(&e, ErrorKind::Runtime, "envs/t.rhai", 6, 11);
+    assert!(e.message.contains("step value cannot be zero"), "{e}");
+    let e = attack("fn run() { [1, 2].zip([3], Fn(\"nothing\")) }\n");
+    assert_at(&e, ErrorKind::Runtime, "envs/t.rhai", 5, 19);
+}
+
+#[test]
+fn a_user_raises_a_limit_by_name_and_typos_are_named() {
+    let raised = Limits::default().with("max_string_size=4194304, call_timeout_ms=5000").unwrap();
+    assert_eq!((raised.max_string_size, raised.call_timeout), (4 << 20, Duration::from_secs(5)));
+    let e = Limits::default().with("max_strng_size=1").unwrap_err();
+    assert!(e.contains("unknown limit \"max_strng_size\"") && e.contains("max_string_size"), "{e}");
+    assert!(Limits::default().with("max_memory=lots").unwrap_err().contains("not a whole number"));
+    // A raised limit lets through what the default refuses.
+    let src = format!("{ENV}fn run() {{ let s = \"ab\"; s.pad(1000000, \"ab\"); s.replace(\"a\", \"aaa\"); s.len() }}\n");
+    let dir = project(&[("envs/t.rhai", &src)]);
+    let call = |limits: Limits| Host::new(dir.path(), limits).compile(Path::new("envs/t.rhai")).unwrap().call("run", (), None);
+    assert_eq!(call(tight()).unwrap_err().kind, ErrorKind::Size);
+    assert_eq!(call(tight().with("max_string_size=3000000").unwrap()).unwrap().as_int(), Ok(2_000_000));
+}

@@ -198,7 +198,7 @@ pub fn check(
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let host = Host::for_script(&args.script, Limits::default());
+    let host = Host::for_script(&args.script, Limits::from_env().map_err(anyhow::Error::msg)?);
     let overrides =
         args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     let mut problems = 0;

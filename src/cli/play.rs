@@ -107,7 +107,7 @@ impl Game {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let host = Host::for_script(&args.env, Limits::default());
+    let host = Host::for_script(&args.env, Limits::from_env().map_err(anyhow::Error::msg)?);
     let mut overrides = Vec::new();
     for p in &args.params {
         overrides.push(parse_assignment(p).map_err(anyhow::Error::msg)?);

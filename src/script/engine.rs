@@ -68,6 +68,49 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// The environment variable that raises (or lowers) limits for every command:
+    /// `RAGEN_LIMITS="max_operations=50000000,call_timeout_ms=5000"`.
+    pub const ENV: &'static str = "RAGEN_LIMITS";
+
+    /// The defaults with `RAGEN_LIMITS` applied (see [`Limits::with`]).
+    pub fn from_env() -> Result<Self, String> {
+        match std::env::var(Self::ENV) {
+            Ok(text) => Self::default().with(&text).map_err(|e| format!("{}: {e}", Self::ENV)),
+            Err(_) => Ok(Self::default()),
+        }
+    }
+
+    /// These limits with `key=value` pairs (comma-separated) applied; keys are the field names,
+    /// and `call_timeout_ms` for the timeout. 0 means unlimited for the counts.
+    pub fn with(mut self, assignments: &str) -> Result<Self, String> {
+        for pair in assignments.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = pair.split_once('=').ok_or_else(|| format!("{pair:?}: expected key=value"))?;
+            let n: u64 = value.trim().replace('_', "").parse().map_err(|_| format!("{key}: {value:?} is not a whole number"))?;
+            let size = usize::try_from(n).map_err(|_| format!("{key}: {n} is too large"))?;
+            match key.trim() {
+                "max_operations" => self.max_operations = n,
+                "max_call_levels" => self.max_call_levels = size,
+                "max_expr_depth" => self.max_expr_depth = size,
+                "max_string_size" => self.max_string_size = size,
+                "max_array_size" => self.max_array_size = size,
+                "max_map_size" => self.max_map_size = size,
+                "max_depth" => self.max_depth = size,
+                "max_memory" => self.max_memory = size,
+                "max_output" => self.max_output = size,
+                "max_script_bytes" => self.max_script_bytes = size,
+                "call_timeout_ms" => self.call_timeout = Duration::from_millis(n),
+                other => {
+                    return Err(format!(
+                        "unknown limit {other:?}; known: max_operations, max_call_levels, max_expr_depth, max_string_size, max_array_size, max_map_size, max_depth, max_memory, max_output, max_script_bytes, call_timeout_ms"
+                    ))
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
 /// A sandboxed engine bound to one project directory. Build it once and share it (`Arc`).
 pub struct Host {
     engine: Engine,

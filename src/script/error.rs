@@ -113,10 +113,16 @@ impl ScriptError {
         let mut chain = Vec::new();
         let mut cur = err;
         let mut file = path.to_string();
+        // The innermost call site: the place of an error that has none of its own (one raised
+        // inside a standard function, such as `range(0, 10, 0)`).
+        let mut call_site = None;
         loop {
             match cur {
                 EvalAltResult::ErrorInFunctionCall(name, src, inner, pos) => {
                     chain.push(format!("{name} (called at {})", loc(&file, *pos)));
+                    if !pos.is_none() {
+                        call_site = Some((file.clone(), *pos));
+                    }
                     if !src.is_empty() {
                         file = src.clone();
                     }
@@ -130,7 +136,11 @@ impl ScriptError {
                 _ => break,
             }
         }
-        let mut e = Self::at(file, cur.position(), describe(cur)).kind(kind_of(cur));
+        let (file, pos) = match call_site {
+            Some(site) if cur.position().is_none() => site,
+            _ => (file, cur.position()),
+        };
+        let mut e = Self::at(file, pos, describe(cur)).kind(kind_of(cur));
         e.call_chain = chain;
         e
     }
