@@ -182,7 +182,10 @@ fn rejected(w: &Watcher) -> ScriptError {
 #[test]
 fn mutual_imports_are_refused_by_name() {
     let e = attack_with(
-        &[("envs/a.rhai", "import \"envs/b\" as b;\nfn f() { 1 }\n"), ("envs/b.rhai", "fn g() { 2 }\nimport \"envs/a\" as a;\n")],
+        &[
+            ("envs/a.rhai", "import \"envs/b\" as b;\nfn f() { 1 }\n"),
+            ("envs/b.rhai", "fn g() { 2 }\nimport \"envs/a\" as a;\n"),
+        ],
         "fn run() { import \"envs/a\" as a; a::f() }\n",
     );
     assert_at(&e, ErrorKind::Import, "envs/b.rhai", 2, 1);
@@ -267,10 +270,7 @@ fn strings_curried_into_fn_pointers_count_against_memory() {
 fn a_state_holding_big_closures_is_refused() {
     // Each step keeps another 600 KB string in a closure in the state map: over max_string_size
     // (1 MiB) on the second step, though no single string is too large.
-    let e = env_error(
-        "s.n += 1;",
-        "let t = \"a\"; t.pad(600000, \"a\"); t += s.n; s[`f${s.n}`] = || t; s.n += 1;",
-    );
+    let e = env_error("s.n += 1;", "let t = \"a\"; t.pad(600000, \"a\"); t += s.n; s[`f${s.n}`] = || t; s.n += 1;");
     assert_at(&e, ErrorKind::Size, "envs/t.rhai", 4, 1);
     assert!(e.message.contains("closures and curried values count"), "{e}");
 }
@@ -346,7 +346,10 @@ fn an_env_that_is_never_done_cannot_make_check_run_forever() {
 
 #[test]
 fn an_import_path_built_at_run_time_is_refused() {
-    let e = attack_with(&[("envs/g.rhai", "fn f() { 1 }\n")], "fn run() {\n  let p = \"envs/\" + \"g\";\n  import p as g;\n}\n");
+    let e = attack_with(
+        &[("envs/g.rhai", "fn f() { 1 }\n")],
+        "fn run() {\n  let p = \"envs/\" + \"g\";\n  import p as g;\n}\n",
+    );
     assert_at(&e, ErrorKind::Import, "envs/t.rhai", 7, 10);
     assert!(e.message.contains("computed at run time"), "{e}");
 }
@@ -379,7 +382,8 @@ fn every_imported_file_is_in_the_version_and_in_the_recorded_copy() {
     run.record_script(1, "env", &v1).unwrap();
     let copy = std::fs::read_to_string(dir.path().join(format!("run/scripts/{}.rhai", v1.version()))).unwrap();
     assert_eq!(copy, v1.source());
-    let imports = std::fs::read_to_string(dir.path().join(format!("run/scripts/{}.imports.json", v1.version()))).unwrap();
+    let imports =
+        std::fs::read_to_string(dir.path().join(format!("run/scripts/{}.imports.json", v1.version()))).unwrap();
     assert!(imports.contains("fn f() { 1 }"), "{imports}");
 }
 
@@ -448,7 +452,8 @@ fn a_huge_script_file_is_refused_before_it_is_read_whole() {
     assert!(e.message.contains("larger than 1048576 bytes"), "{e}");
     // An imported one too.
     let dir = project(&[("envs/big.rhai", &big)]);
-    std::fs::write(dir.path().join("envs/t.rhai"), format!("{ENV}fn run() {{\n  import \"envs/big\" as b;\n}}\n")).unwrap();
+    std::fs::write(dir.path().join("envs/t.rhai"), format!("{ENV}fn run() {{\n  import \"envs/big\" as b;\n}}\n"))
+        .unwrap();
     let e = Host::new(dir.path(), tight()).compile(Path::new("envs/t.rhai")).unwrap_err();
     assert_at(&e, ErrorKind::Import, "envs/t.rhai", 6, 3);
 }
@@ -459,7 +464,10 @@ fn experiment_error(env_path: &str) -> ScriptError {
     let dir = project(&[
         ("envs/t.rhai", ENV),
         ("prompts/p.rhai", "fn system(info) { \"\" }\nfn user(info, turn) { \"\" }\n"),
-        ("scripts/x.rhai", &format!("// an experiment\nfn experiment() {{ #{{ env: {env_path:?}, prompt: \"prompts/p.rhai\" }} }}\n")),
+        (
+            "scripts/x.rhai",
+            &format!("// an experiment\nfn experiment() {{ #{{ env: {env_path:?}, prompt: \"prompts/p.rhai\" }} }}\n"),
+        ),
     ]);
     std::fs::write(dir.path().join("outside.rhai"), "root:x:0:0\n").unwrap();
     #[cfg(unix)]
@@ -484,7 +492,9 @@ fn an_experiment_cannot_name_a_file_outside_the_script_folders() {
 
 #[test]
 fn imports_cannot_leave_the_script_folders() {
-    for (path, kind_of_refusal) in [("/etc/passwd", "absolute"), ("envs/../../x", "`..`"), ("tmp/x", "name a file under")] {
+    for (path, kind_of_refusal) in
+        [("/etc/passwd", "absolute"), ("envs/../../x", "`..`"), ("tmp/x", "name a file under")]
+    {
         let e = attack(&format!("fn run() {{\n  import \"{path}\" as x;\n}}\n"));
         assert_at(&e, ErrorKind::Import, "envs/t.rhai", 6, 3);
         assert!(e.message.contains(kind_of_refusal), "{path}: {e}");
@@ -507,7 +517,12 @@ fn non_finite_and_extreme_env_rewards_are_refused_by_name() {
 #[test]
 fn non_finite_and_extreme_shaped_rewards_are_refused_by_name() {
     let turn = ragen_lab::agent::turn::parse_turn("<answer>A</answer>", &["A".to_string()], 1, true);
-    for (ret, says) in [("reward / 0.0", "is inf"), ("parse_float(\"NaN\")", "is NaN"), ("-1e300", "beyond ±1e9"), ("\"1\"", "must be a number")] {
+    for (ret, says) in [
+        ("reward / 0.0", "is inf"),
+        ("parse_float(\"NaN\")", "is NaN"),
+        ("-1e300", "beyond ±1e9"),
+        ("\"1\"", "must be a number"),
+    ] {
         let dir = project(&[("rewards/r.rhai", &format!("// shaping\nfn shape(turn, reward) {{ {ret} }}\n"))]);
         let r = RewardScript::load(&Host::new(dir.path(), tight()), Path::new("rewards/r.rhai")).unwrap();
         let e = r.shape(&turn, 1.0).unwrap_err();
@@ -622,9 +637,11 @@ fn a_user_raises_a_limit_by_name_and_typos_are_named() {
     assert!(e.contains("unknown limit \"max_strng_size\"") && e.contains("max_string_size"), "{e}");
     assert!(Limits::default().with("max_memory=lots").unwrap_err().contains("not a whole number"));
     // A raised limit lets through what the default refuses.
-    let src = format!("{ENV}fn run() {{ let s = \"ab\"; s.pad(1000000, \"ab\"); s.replace(\"a\", \"aaa\"); s.len() }}\n");
+    let src =
+        format!("{ENV}fn run() {{ let s = \"ab\"; s.pad(1000000, \"ab\"); s.replace(\"a\", \"aaa\"); s.len() }}\n");
     let dir = project(&[("envs/t.rhai", &src)]);
-    let call = |limits: Limits| Host::new(dir.path(), limits).compile(Path::new("envs/t.rhai")).unwrap().call("run", (), None);
+    let call =
+        |limits: Limits| Host::new(dir.path(), limits).compile(Path::new("envs/t.rhai")).unwrap().call("run", (), None);
     assert_eq!(call(tight()).unwrap_err().kind, ErrorKind::Size);
     assert_eq!(call(tight().with("max_string_size=3000000").unwrap()).unwrap().as_int(), Ok(2_000_000));
 }

@@ -276,7 +276,8 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let errors = || jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "script_error").collect::<Vec<_>>();
+    let errors =
+        || jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "script_error").collect::<Vec<_>>();
     wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
     let edit = |file: &str, from: &str, to: &str| {
         let path = p.path().join(file);
@@ -293,7 +294,11 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
     wait_for(&mut child, "the reward's script error", || errors().len() == 1);
     edit("envs/bandit.rhai", "fn reset(seed, params) {", "fn reset(seed, params) {\n    if seed != 0 { loop { } }");
     wait_for(&mut child, "the env's script error", || errors().len() == 2);
-    edit("prompts/ragen.rhai", "fn user(info, turn) {", "fn user(info, turn) {\n    if turn.obs != \"P_G\" { let s = \"ab\"; loop { s += s; } }");
+    edit(
+        "prompts/ragen.rhai",
+        "fn user(info, turn) {",
+        "fn user(info, turn) {\n    if turn.obs != \"P_G\" { let s = \"ab\"; loop { s += s; } }",
+    );
     wait_for(&mut child, "the prompt's script error", || errors().len() == 3);
     let last_error = errors()[2]["step"].as_u64().unwrap();
     let rollouts_of = |step: u64| run.join(format!("rollouts/step-{step:06}.jsonl"));
@@ -329,7 +334,11 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
     let saved: u64 = latest(&run).unwrap().trim_start_matches("step-").parse().unwrap();
     run_ok(train(p.path(), &["--resume", "runs/hostile", "--steps", &(saved + 1).to_string()]));
     assert_eq!(*steps_of(&run).last().unwrap(), saved + 1);
-    let notes: Vec<Value> = jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "reload_error").collect();
+    let notes: Vec<Value> =
+        jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "reload_error").collect();
     assert_eq!(notes.len(), 3, "one note per script not resumed: {notes:?}");
-    assert!(jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "script_error").count() == 3, "no new failures after resume");
+    assert!(
+        jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "script_error").count() == 3,
+        "no new failures after resume"
+    );
 }

@@ -86,7 +86,8 @@ impl Limits {
     pub fn with(mut self, assignments: &str) -> Result<Self, String> {
         for pair in assignments.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair.split_once('=').ok_or_else(|| format!("{pair:?}: expected key=value"))?;
-            let n: u64 = value.trim().replace('_', "").parse().map_err(|_| format!("{key}: {value:?} is not a whole number"))?;
+            let n: u64 =
+                value.trim().replace('_', "").parse().map_err(|_| format!("{key}: {value:?} is not a whole number"))?;
             let size = usize::try_from(n).map_err(|_| format!("{key}: {n} is too large"))?;
             match key.trim() {
                 "max_operations" => self.max_operations = n,
@@ -147,8 +148,12 @@ impl Host {
             .disable_symbol("eval");
         engine.on_progress(sandbox::on_progress);
         engine.on_print(sandbox::emit);
-        engine.on_debug(|s, src, pos| sandbox::emit(&format!("{}:{}: {s}", src.unwrap_or("?"), pos.line().unwrap_or(0))));
-        engine.set_module_resolver(ConfinedResolver { project: project.clone(), max_script_bytes: limits.max_script_bytes });
+        engine
+            .on_debug(|s, src, pos| sandbox::emit(&format!("{}:{}: {s}", src.unwrap_or("?"), pos.line().unwrap_or(0))));
+        engine.set_module_resolver(ConfinedResolver {
+            project: project.clone(),
+            max_script_bytes: limits.max_script_bytes,
+        });
         Arc::new(Self { engine, project, limits })
     }
 
@@ -335,7 +340,8 @@ impl Script {
     /// Checks a value `fname` handed back (or left in its arguments, like an episode's state)
     /// against the size and depth limits, closures and curried values counted.
     pub fn check_value(&self, fname: &str, v: &Dynamic) -> Result<(), ScriptError> {
-        sandbox::check_value(v, &self.host.limits).map_err(|(kind, m)| self.error_in(fname, kind, format!("{fname}: {m}")))
+        sandbox::check_value(v, &self.host.limits)
+            .map_err(|(kind, m)| self.error_in(fname, kind, format!("{fname}: {m}")))
     }
 
     /// An error about what `fname` did (a wrong return shape, a value too large), placed at the

@@ -158,7 +158,9 @@ const STEP_SHAPE: &str = "#{reward: <number>, done: <bool>} with optional `succe
 
 impl StepOutcome {
     fn from_dynamic(script: &Script, v: &Dynamic) -> Result<Self, ScriptError> {
-        let err = |m: String| script.error_in("step", ErrorKind::Contract, format!("step must return a map {STEP_SHAPE}; {m}"));
+        let err = |m: String| {
+            script.error_in("step", ErrorKind::Contract, format!("step must return a map {STEP_SHAPE}; {m}"))
+        };
         let Some(map) = v.read_lock::<rhai::Map>() else {
             return Err(err(format!("got {}", type_word(v))));
         };
@@ -279,8 +281,9 @@ impl Episode {
     pub fn render(&self) -> Result<String, ScriptError> {
         let v = self.env.0.call("render", (self.state.clone(),), None)?;
         let what = type_word(&v);
-        v.into_string()
-            .map_err(|_| self.env.0.error_in("render", ErrorKind::Contract, format!("render must return a string; got {what}")))
+        v.into_string().map_err(|_| {
+            self.env.0.error_in("render", ErrorKind::Contract, format!("render must return a string; got {what}"))
+        })
     }
 
     pub fn step(&mut self, action: &str) -> Result<StepOutcome, ScriptError> {

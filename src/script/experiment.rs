@@ -47,7 +47,11 @@ impl Experiment {
         script.require_fns(&[("experiment", &[])])?;
         let v = script.call("experiment", (), None)?;
         let err = |m: String| {
-            script.error_in("experiment", ErrorKind::Contract, format!("experiment must return a map like {SHAPE}; {m}"))
+            script.error_in(
+                "experiment",
+                ErrorKind::Contract,
+                format!("experiment must return a map like {SHAPE}; {m}"),
+            )
         };
         let Ok(Value::Object(mut m)) = to_json(&v) else {
             return Err(err(format!("got {}", type_word(&v))));

@@ -32,7 +32,8 @@ script_role! {
 impl PromptScript {
     fn text(&self, f: &str, v: rhai::Dynamic) -> Result<String, ScriptError> {
         let what = type_word(&v);
-        v.into_string().map_err(|_| self.0.error_in(f, ErrorKind::Contract, format!("{f} must return a string; got {what}")))
+        v.into_string()
+            .map_err(|_| self.0.error_in(f, ErrorKind::Contract, format!("{f} must return a string; got {what}")))
     }
 
     pub fn system(&self, info: &EnvInfo) -> Result<String, ScriptError> {

@@ -55,7 +55,9 @@ pub fn read_script(path: &Path, max_bytes: usize) -> Result<String, String> {
         return Err(format!("{} is not a regular file", path.display()));
     }
     let mut bytes = Vec::new();
-    file.take(max_bytes as u64 + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    file.take(max_bytes as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     if bytes.len() > max_bytes {
         return Err(format!("{} is larger than {max_bytes} bytes (Limits::max_script_bytes)", path.display()));
     }
@@ -68,7 +70,9 @@ pub fn confine(project: &Path, path: &str, what: &str) -> Result<PathBuf, String
     let rel = Path::new(path);
     let roots = SCRIPT_ROOTS.map(|r| format!("{r}/")).join(", ");
     if rel.is_absolute() || path.starts_with('/') || path.contains('\\') {
-        return Err(format!("{what}: absolute paths are not allowed; name a file under {roots} relative to the project"));
+        return Err(format!(
+            "{what}: absolute paths are not allowed; name a file under {roots} relative to the project"
+        ));
     }
     if rel.components().any(|c| !matches!(c, Component::Normal(_))) {
         return Err(format!("{what}: `..` and `.` are not allowed; name a file under {roots}"));
@@ -84,7 +88,9 @@ pub fn confine(project: &Path, path: &str, what: &str) -> Result<PathBuf, String
     let canon = full.canonicalize().map_err(|_| format!("{what}: no such file {}", display_path(&full, project)))?;
     let root = project.join(first).canonicalize().unwrap_or_else(|_| project.join(first));
     if !canon.starts_with(&root) {
-        return Err(format!("{what}: the file lies outside {first}/ (through a link); scripts must stay inside the script folders"));
+        return Err(format!(
+            "{what}: the file lies outside {first}/ (through a link); scripts must stay inside the script folders"
+        ));
     }
     Ok(canon)
 }
@@ -165,9 +171,7 @@ impl ConfinedResolver {
             }
         });
         let in_module = |err: Box<EvalAltResult>| Box::new(EvalAltResult::ErrorInModule(name.to_string(), err, pos));
-        let mut ast = engine
-            .compile_into_self_contained(&Scope::new(), &text)
-            .map_err(in_module)?;
+        let mut ast = engine.compile_into_self_contained(&Scope::new(), &text).map_err(in_module)?;
         ast.set_source(name);
         let module = Module::eval_ast_as_new(Scope::new(), &ast, engine).map_err(in_module)?;
         Ok(module.into())

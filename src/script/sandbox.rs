@@ -174,7 +174,9 @@ fn walk(v: &Dynamic, depth: usize, t: &mut Tally, l: &Limits) -> Result<(), (Err
         f.iter_curry().try_for_each(|x| walk(x, depth + 1, t, l))?;
     }
     let over = |what: &str, n: usize, max: usize, name: &str| {
-        let msg = format!("the value holds {n} {what}, over the limit of {max} (Limits::{name}; closures and curried values count)");
+        let msg = format!(
+            "the value holds {n} {what}, over the limit of {max} (Limits::{name}; closures and curried values count)"
+        );
         Err((ErrorKind::Size, msg))
     };
     if t.string_bytes > l.max_string_size {

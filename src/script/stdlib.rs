@@ -5,7 +5,12 @@
 //! growing functions, `pad`, `+`, `+=`, `blob`, check before building.)
 use rhai::{EvalAltResult, ImmutableString, Module, NativeCallContext};
 
-fn replace_checked(ctx: &NativeCallContext, s: &mut ImmutableString, find: &str, with: &str) -> Result<(), Box<EvalAltResult>> {
+fn replace_checked(
+    ctx: &NativeCallContext,
+    s: &mut ImmutableString,
+    find: &str,
+    with: &str,
+) -> Result<(), Box<EvalAltResult>> {
     if s.is_empty() || find.is_empty() && with.is_empty() {
         return Ok(());
     }
@@ -24,9 +29,12 @@ fn replace_checked(ctx: &NativeCallContext, s: &mut ImmutableString, find: &str,
 /// The module of replacements; registered after the standard package, so its functions win.
 pub(crate) fn module() -> Module {
     let mut m = Module::new();
-    m.set_native_fn("replace", |ctx: NativeCallContext, s: &mut ImmutableString, find: ImmutableString, with: ImmutableString| {
-        replace_checked(&ctx, s, &find, &with)
-    });
+    m.set_native_fn(
+        "replace",
+        |ctx: NativeCallContext, s: &mut ImmutableString, find: ImmutableString, with: ImmutableString| {
+            replace_checked(&ctx, s, &find, &with)
+        },
+    );
     m.set_native_fn("replace", |ctx: NativeCallContext, s: &mut ImmutableString, find: ImmutableString, with: char| {
         replace_checked(&ctx, s, &find, &with.to_string())
     });

@@ -19,8 +19,8 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::engine::Host;
-use super::resolver::read_script;
 use super::error::{ErrorKind, ScriptError};
+use super::resolver::read_script;
 use super::validate::{self, Loaded, Role};
 
 /// How changes are noticed.
@@ -135,29 +135,30 @@ impl Watcher {
         };
         let stop2 = stop.clone();
         // Smoke tests run scripts here: give them the main thread's stack, not a worker's 2 MiB.
-        let worker = std::thread::Builder::new().name("script-watcher".into()).stack_size(16 << 20).spawn(move || {
-            let mut entries = entries;
-            while !stop2.load(Ordering::Relaxed) {
-                let got = match interval {
-                    Some(i) => match ticks.recv_timeout(i) {
-                        Ok(()) | Err(RecvTimeoutError::Timeout) => true,
-                        Err(RecvTimeoutError::Disconnected) => false,
-                    },
-                    None => ticks.recv().is_ok(),
-                };
-                if !got || stop2.load(Ordering::Relaxed) {
-                    break;
-                }
-                while ticks.try_recv().is_ok() {}
-                for e in entries.iter_mut() {
-                    if let Some(u) = recheck(&host, e) {
-                        if tx.send(u).is_err() {
-                            return;
+        let worker =
+            std::thread::Builder::new().name("script-watcher".into()).stack_size(16 << 20).spawn(move || {
+                let mut entries = entries;
+                while !stop2.load(Ordering::Relaxed) {
+                    let got = match interval {
+                        Some(i) => match ticks.recv_timeout(i) {
+                            Ok(()) | Err(RecvTimeoutError::Timeout) => true,
+                            Err(RecvTimeoutError::Disconnected) => false,
+                        },
+                        None => ticks.recv().is_ok(),
+                    };
+                    if !got || stop2.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    while ticks.try_recv().is_ok() {}
+                    for e in entries.iter_mut() {
+                        if let Some(u) = recheck(&host, e) {
+                            if tx.send(u).is_err() {
+                                return;
+                            }
                         }
                     }
                 }
-            }
-        })?;
+            })?;
         Ok(Self { rx, stop, tick, worker: Some(worker), _events: events })
     }
 
@@ -197,11 +198,13 @@ fn recheck(host: &Arc<Host>, e: &mut Entry) -> Option<Update> {
     e.fingerprint = now;
     // Script calls catch their own panics; this catches the host code around them, so a bad
     // edit can never end live reload for the rest of the run.
-    let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| validate::load(host, &e.path, e.role, &e.params)))
-        .unwrap_or_else(|_| {
-            let name = e.path.display().to_string();
-            Err(ScriptError::new(name, "the host failed while checking this version; please report it").kind(ErrorKind::Panic))
-        });
+    let loaded =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| validate::load(host, &e.path, e.role, &e.params)))
+            .unwrap_or_else(|_| {
+                let name = e.path.display().to_string();
+                Err(ScriptError::new(name, "the host failed while checking this version; please report it")
+                    .kind(ErrorKind::Panic))
+            });
     Some(match loaded {
         Ok(loaded) => {
             // Imports may have changed: follow the new set from now on.

@@ -37,8 +37,7 @@ fn scaled_mean_std(xs: &[f64]) -> (f64, f64, f64) {
 pub fn normalize_group(scores: &[f64], method: RewardNorm) -> Vec<f64> {
     let (scale, mu, sigma) = scaled_mean_std(scores);
     // (x − μ)/(σ + ε) with every term divided by `scale`.
-    let standard =
-        |x: f64| if sigma * scale < 1e-6 { 0.0 } else { (x / scale - mu) / (sigma + 1e-6 / scale) };
+    let standard = |x: f64| if sigma * scale < 1e-6 { 0.0 } else { (x / scale - mu) / (sigma + 1e-6 / scale) };
     scores
         .iter()
         .map(|&x| match method {

@@ -181,7 +181,11 @@ impl RunDir {
     /// The scripts to resume `exp` with: each as on disk now, unless that version failed during
     /// this run (a `script_error` event names it) or no longer loads, in which case the version
     /// last recorded for it in scripts/ (what the run was using). Returns notes on what was kept.
-    pub fn resume_scripts(path: &Path, host: &std::sync::Arc<Host>, exp: &Experiment) -> Result<(ExperimentScripts, Vec<String>)> {
+    pub fn resume_scripts(
+        path: &Path,
+        host: &std::sync::Arc<Host>,
+        exp: &Experiment,
+    ) -> Result<(ExperimentScripts, Vec<String>)> {
         let failed: HashSet<String> = read_jsonl(&path.join("events.jsonl"))
             .into_iter()
             .filter(|e| e["kind"] == "script_error")
@@ -194,7 +198,9 @@ impl RunDir {
             let full = file.canonicalize().unwrap_or_else(|_| file.to_path_buf());
             let name = crate::script::display_path(&full, host.project());
             let recorded = index.iter().rev().find(|l| {
-                l["role"] == role && l["path"] == name.as_str() && l["hash"].as_str().is_some_and(|h| !failed.contains(h))
+                l["role"] == role
+                    && l["path"] == name.as_str()
+                    && l["hash"].as_str().is_some_and(|h| !failed.contains(h))
             });
             match (on_disk, recorded) {
                 (Ok(s), _) if !failed.contains(s.version()) => Ok(s),
@@ -215,11 +221,8 @@ impl RunDir {
         };
         let env = EnvScript::from_script(pick("env", &exp.env)?)?;
         let prompt = PromptScript::from_script(pick("prompt", &exp.prompt)?)?;
-        let rewards = exp
-            .rewards
-            .iter()
-            .map(|r| Ok(RewardScript::from_script(pick("reward", r)?)?))
-            .collect::<Result<_>>()?;
+        let rewards =
+            exp.rewards.iter().map(|r| Ok(RewardScript::from_script(pick("reward", r)?)?)).collect::<Result<_>>()?;
         Ok((ExperimentScripts { env, prompt, rewards }, notes))
     }
 
@@ -247,7 +250,8 @@ impl RunDir {
     /// The step a checkpoint folder (step-000012) holds; its state.json must agree, so a forged
     /// or damaged state cannot make `--resume` drop the run's metrics.
     pub fn checkpoint_step(dir: &Path, state_step: u64) -> Result<u64> {
-        let named = dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse().ok());
+        let named =
+            dir.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("step-")).and_then(|n| n.parse().ok());
         match named {
             Some(n) if n == state_step && n > 0 => Ok(n),
             _ => bail!(
