@@ -190,3 +190,35 @@ fn walk(v: &Dynamic, depth: usize, t: &mut Tally, l: &Limits) -> Result<(), (Err
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::script::{ErrorKind, ScriptError};
+
+    #[test]
+    fn a_panic_inside_a_call_becomes_an_error_of_kind_panic() {
+        let out: Result<(), _> = run(&Limits::default(), || panic!("index out of bounds"));
+        let e = ScriptError::from_eval("envs/t.rhai", &out.unwrap_err());
+        assert_eq!(e.kind, ErrorKind::Panic, "{e}");
+        assert!(e.message.contains("index out of bounds at src/script/sandbox.rs:"), "{e}");
+        // The thread is usable afterwards: the next call has a fresh budget.
+        assert_eq!(run(&Limits::default(), || Ok(7)).unwrap(), 7);
+    }
+
+    #[test]
+    fn the_operation_budget_spans_nested_runs() {
+        let limits = Limits { max_operations: 10, ..Limits::default() };
+        let out = run(&limits, || {
+            for _ in 0..5 {
+                assert!(on_progress(0).is_none());
+            }
+            // A nested run (an import compiled inside a compile) shares the outer budget.
+            run(&limits, || {
+                let stop = (0..10).find_map(on_progress);
+                Ok(stop.and_then(|t| t.into_string().ok()))
+            })
+        });
+        assert_eq!(out.unwrap().as_deref(), Some(STOP_OPERATIONS));
+    }
+}
