@@ -161,7 +161,7 @@ fn bench_training(policy: &Policy, cfg: &BenchConfig) -> Result<TrainingRun> {
         (0..cfg.train_batch).map(|_| (0..cfg.train_seq).map(|_| rng.below(vocab) as u32).collect()).collect();
     let batch = TokenBatch::new(&seqs, policy.pad_id)?;
     let scored_tokens = (cfg.train_batch * cfg.train_seq.saturating_sub(1)).max(1) as f64;
-    let named = policy.model.named_vars();
+    let named = policy.model.trainable_vars();
     // The trainer's AdamW with its default betas, eps and weight decay (0.01, as torch's).
     let mut opt = crate::starpo::optim::AdamW::new(named, 1e-5, &Default::default())?;
     let mut timings = Vec::new();
@@ -234,6 +234,9 @@ pub struct PolicyArgs {
     /// Sequences per forward/backward pass (gradients accumulate over the batch).
     #[arg(long, default_value_t = 4)]
     pub micro_batch: usize,
+    /// Train LoRA adapters of this rank (alpha 32, every projection) instead of every weight.
+    #[arg(long, value_name = "R")]
+    pub lora_rank: Option<usize>,
     /// Keep only each layer's input in training and recompute layers in backward
     /// (`optim.checkpoint_layers`).
     #[arg(long)]
@@ -261,8 +264,15 @@ pub fn run_cli(args: PolicyArgs) -> Result<()> {
     };
     let mut policy = Policy::load(&args.model, &crate::cli::model::device())?;
     policy.model.checkpoint_layers = args.checkpoint_layers;
-    let ck = if args.checkpoint_layers { ", layer checkpoints" } else { "" };
-    println!("{}: {} threads, {}{ck}", policy.source, rayon::current_num_threads(), features());
+    let mut how = String::new();
+    if args.checkpoint_layers {
+        how += ", layer checkpoints";
+    }
+    if let Some(rank) = args.lora_rank {
+        super::lora::attach(&mut policy.model, &super::lora::LoraConfig::new(rank, 32.0, "all-linear", 0.0)?, 0)?;
+        how += &format!(", LoRA rank {rank}");
+    }
+    println!("{}: {} threads, {}{how}", policy.source, rayon::current_num_threads(), features());
     let cfg = BenchConfig {
         batches: args.batches,
         new_tokens: args.new_tokens,

@@ -1,4 +1,5 @@
-//! Tiny presets `tiny-llama` and `tiny-qwen2`: random weights of the real architectures with a
+//! Presets: `tiny-llama` and `tiny-qwen2` for tests, `random-qwen2.5-0.5b` for measuring what
+//! a 0.5B model costs. Random weights of the real architectures with a
 //! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus holding
 //! the envs' vocabulary, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML
 //! template). They are written to disk in the real formats (HF folder, GGUF) and loaded back
@@ -16,7 +17,12 @@ use super::load::{save_gguf, save_hf_dir};
 use super::model::Decoder;
 use super::tokenizer::train_bpe;
 
-pub const NAMES: &[&str] = &["tiny-llama", "tiny-qwen2"];
+pub const NAMES: &[&str] = &["tiny-llama", "tiny-qwen2", QWEN2_5_0_5B];
+
+/// Qwen2.5-0.5B's architecture (its config.json) with random weights and the tiny tokenizer
+/// (whose ids are a subset of the 151,936 embedding rows): what a 0.5B step costs, without the
+/// hub. About 2 GB of f32 weights written and read back.
+pub const QWEN2_5_0_5B: &str = "random-qwen2.5-0.5b";
 
 /// ChatML's special tokens; ids 0, 1, 2 in the tiny tokenizer.
 pub const SPECIAL_TOKENS: &[&str] = &["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -49,6 +55,24 @@ const CORPUS: &[&str] = &[
 ];
 
 fn config(name: &str, vocab_size: usize) -> Result<Config> {
+    if name == QWEN2_5_0_5B {
+        return Ok(Config {
+            family: Family::Qwen2,
+            vocab_size: 151_936,
+            hidden_size: 896,
+            intermediate_size: 4864,
+            num_hidden_layers: 24,
+            num_attention_heads: 14,
+            num_key_value_heads: 2,
+            head_dim: 64,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            max_position_embeddings: 32_768,
+            tie_word_embeddings: true,
+            bos_token_id: None,
+            eos_token_ids: vec![2], // <|im_end|>
+        });
+    }
     let family = match name {
         "tiny-llama" => Family::Llama,
         "tiny-qwen2" => Family::Qwen2,

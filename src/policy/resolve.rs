@@ -2,7 +2,7 @@
 //!
 //! A spec is what a user types after `--model`:
 //! - a local Hugging Face folder (`config.json`, safetensors, tokenizer files) or a local `.gguf` file;
-//! - a preset (`tiny-llama`, `tiny-qwen2`): random weights, built by the policy loader;
+//! - a preset (`tiny-llama`, `tiny-qwen2`, `random-qwen2.5-0.5b`): random weights, built by the policy loader;
 //! - a short name we know ([`KNOWN_MODELS`], e.g. `smollm2-135m`), found in ragen-lab's model cache
 //!   (`$RAGEN_LAB_HOME/models`, default `~/.cache/ragen-lab/models`) or under its hub id in the
 //!   Hugging Face cache;
@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 
 /// The preset names the policy loader builds (random weights of the real architectures).
-pub const PRESETS: &[&str] = &["tiny-llama", "tiny-qwen2"];
+pub use super::preset::NAMES as PRESETS;
 
 /// Where a spec points, ready for the loader.
 #[derive(Debug, Clone, PartialEq, Eq)]
