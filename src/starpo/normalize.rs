@@ -10,13 +10,15 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean * scale, std * scale)
 }
 
-/// (s, μ/s, σ/s) with s the largest |x| (1 when every x is 0).
+/// (s, μ/s, σ/s) with s the largest |x| when it is beyond 1e100, else 1.
 fn scaled_mean_std(xs: &[f64]) -> (f64, f64, f64) {
     if xs.is_empty() {
         return (1.0, 0.0, 0.0);
     }
+    // Scaled only where the sums could overflow: ordinary scores keep the exact unscaled
+    // arithmetic (a rounding change is enough to send a short run down another path).
     let max = xs.iter().fold(0.0_f64, |m, x| m.max(x.abs()));
-    let scale = if max > 0.0 && max.is_finite() { max } else { 1.0 };
+    let scale = if max > 1e100 && max.is_finite() { max } else { 1.0 };
     let n = xs.len() as f64;
     let mean = xs.iter().map(|x| x / scale).sum::<f64>() / n;
     if xs.len() < 2 {
