@@ -1,7 +1,7 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::causal_softmax;
+use ragen_lab::policy::kernels::{causal_softmax, frozen_project};
 use ragen_lab::policy::model::attention_mask;
 use ragen_lab::rng::Rng;
 
@@ -57,4 +57,23 @@ fn causal_softmax_rejects_shapes_it_cannot_mask() {
     let x = Tensor::zeros((2, 1, 3, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
     assert!(causal_softmax(&x, 0, &[0], false).unwrap_err().to_string().contains("1 row starts for a batch of 2"));
     assert!(causal_softmax(&x, 1, &[0, 0], false).unwrap_err().to_string().contains("need 4 keys"));
+}
+
+#[test]
+fn frozen_project_is_a_matmul_whose_weight_gets_no_gradient() {
+    let mut rng = Rng::new(5);
+    // Few rows (the (W xᵀ)ᵀ path) and many.
+    for rows in [3, 300] {
+        let x = Var::from_tensor(&random(&[rows, 24], &mut rng)).unwrap();
+        let w = Var::from_tensor(&random(&[40, 24], &mut rng)).unwrap();
+        let up = random(&[rows, 40], &mut rng);
+        let reference = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
+        let fused = frozen_project(x.as_tensor(), w.as_tensor()).unwrap();
+        assert!(max_abs_diff(&reference, &fused) < 1e-4, "{rows} rows: values");
+        let g_ref = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g = (fused * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = max_abs_diff(g_ref.get(x.as_tensor()).unwrap(), g.get(x.as_tensor()).unwrap());
+        assert!(d < 1e-4, "{rows} rows: input gradient differs by {d}");
+        assert!(g.get(w.as_tensor()).is_none(), "the frozen weight got a gradient");
+    }
 }

@@ -4,9 +4,12 @@
 //!
 //! - [`causal_softmax`]: the attention mask and the softmax in one pass over the scores; the
 //!   backward keeps only the probabilities.
+//! - [`frozen_project`]: `x Wᵀ` for a weight that gets no gradient (LoRA's frozen base). candle's
+//!   matmul backward computes both operands' gradients whether they are wanted or not, so a
+//!   detached weight would still cost a weight-gradient matmul per projection.
 //!
 //! Each is tested against the composite ops for values and gradients (tests/kernels.rs).
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 /// Softmax over the last axis of attention scores `[B, H, T, L]` (H any number of heads),
@@ -20,6 +23,38 @@ pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bo
         scores.apply_op1(op)
     } else {
         scores.apply_op1_no_bwd(&op)
+    }
+}
+
+/// `x Wᵀ` (`x` `[N, in]`, `w` `[out, in]`) whose backward computes only the gradient of `x`.
+pub fn frozen_project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(FrozenProject { w: w.detach() })
+}
+
+struct FrozenProject {
+    w: Tensor,
+}
+
+impl CustomOp1 for FrozenProject {
+    fn name(&self) -> &'static str {
+        "frozen-project"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = Tensor::from_slice(f32_slice(storage, layout, "frozen-project")?, layout.shape(), &Device::Cpu)?;
+        let y = crate::policy::model::project(&x, &self.w)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+            .contiguous()?;
+        let shape = y.shape().clone();
+        let (storage, _) = y.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(cpu) => Ok((cpu.clone(), shape)),
+            _ => candle_core::bail!("frozen-project: expected a CPU result"),
+        }
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.w)?))
     }
 }
 

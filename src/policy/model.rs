@@ -59,7 +59,13 @@ impl Linear {
     /// # Shapes
     /// x: [N, in] → [N, out]
     fn forward(&self, x: &Tensor, mode: Mode, base: Mode, dropout_seed: Option<u64>) -> Result<Tensor> {
-        let mut y = project(x, &base.weight(&self.weight))?;
+        let w = base.weight(&self.weight);
+        let frozen_in_training = mode == Mode::Train && base != Mode::Train;
+        let mut y = if frozen_in_training && x.device().is_cpu() && x.track_op() {
+            kernels::frozen_project(x, &w)?
+        } else {
+            project(x, &w)?
+        };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(&base.weight(b))?;
         }
@@ -472,7 +478,10 @@ impl Decoder {
     /// hidden: [N, H] → logits [N, V]
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        Ok(hidden.matmul(&self.base(Mode::Train).weight(head).t()?)?)
+        if self.lora.is_some() && hidden.device().is_cpu() {
+            return Ok(kernels::frozen_project(hidden, head.as_tensor())?);
+        }
+        Ok(hidden.matmul(&head.as_tensor().t()?)?)
     }
 
     /// `logits` without a graph through the weights (sampling, no-grad scoring).

@@ -165,9 +165,9 @@ settings_section! {
         /// a pass holds as many of them as fit.
         micro_batch_size: usize = 4,
         /// Activation checkpointing per layer: training passes keep only each layer's input
-        /// and recompute the layer during backward (about a third more compute, a fraction of
-        /// the activation memory; veRL enable_gradient_checkpointing).
-        checkpoint_layers: bool = false,
+        /// and recompute the layer during backward (8 × 256 tokens of the 135M model: 1.25×
+        /// the time, half the memory; RAGEN's default, veRL enable_gradient_checkpointing).
+        checkpoint_layers: bool = true,
         /// Passes over the kept rollout per update (RAGEN ppo_epochs).
         epochs: usize = 1,
         /// Rollout freshness (RAGEN "Online-k"): each rollout gathers k × env_groups groups and
