@@ -139,8 +139,11 @@ pub fn train(opts: Options) -> Result<Summary> {
     }
     s.validate()?;
     // A resumed run does not take back a version that failed during it.
-    let (mut scripts, resume_notes) =
-        if opts.resume { RunDir::resume_scripts(&opts.run_dir, &host, &exp)? } else { (exp.scripts(&host)?, Vec::new()) };
+    let (mut scripts, resume_notes) = if opts.resume {
+        RunDir::resume_scripts(&opts.run_dir, &host, &exp)?
+    } else {
+        (exp.scripts(&host)?, Vec::new())
+    };
     // GPU 0 when built with `--features cuda` and one is present, else the CPU.
     let device = Device::cuda_if_available(0)?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
@@ -248,7 +251,7 @@ pub fn train(opts: Options) -> Result<Summary> {
         }
         let t_step = Instant::now();
         phase::take(); // what ran between steps (validation, checkpoints) is not this step's
-        // Adapter dropout seeds follow the step, so a resumed run drops what an unbroken one did.
+                       // Adapter dropout seeds follow the step, so a resumed run drops what an unbroken one did.
         policy.model.dropout_seed.store(step << 32, Ordering::Relaxed);
         if let Some(c) = &critic {
             c.backbone.dropout_seed.store((step << 32) | 1 << 31, Ordering::Relaxed);
@@ -295,7 +298,8 @@ pub fn train(opts: Options) -> Result<Summary> {
                 Ok(trajs) => break trajs,
                 Err(e) => {
                     // The step starts over on the restored version, from the same random state.
-                    roll_back(e, &mut scripts, &mut replaced, &run, step, &bar).with_context(|| format!("step {step}: rollout"))?;
+                    roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)
+                        .with_context(|| format!("step {step}: rollout"))?;
                     rng = start_rng;
                 }
             }

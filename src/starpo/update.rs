@@ -274,25 +274,29 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     None
                 };
                 // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
-                policy.loss_and_grads(tb, |scored| {
-                    let old = old.unwrap_or_else(|| scored.logprobs.detach());
-                    let (pg, clipped, _) =
-                        clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
-                    let pg_loss = seq_mean_token_mean(&pg, &mask)?;
-                    let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
-                    let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
-                    if let Some(rl) = &rl {
-                        let k = seq_mean_token_mean(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
-                        mb_stats[4] += w * k.to_scalar::<f32>()? as f64;
-                        loss = (loss + (k * sp.kl_coef)?)?;
-                    }
-                    mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
-                    mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
-                    mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
-                    let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
-                    mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
-                    Ok((loss * w)?)
-                }, &mut grads)?;
+                policy.loss_and_grads(
+                    tb,
+                    |scored| {
+                        let old = old.unwrap_or_else(|| scored.logprobs.detach());
+                        let (pg, clipped, _) =
+                            clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
+                        let pg_loss = seq_mean_token_mean(&pg, &mask)?;
+                        let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
+                        let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
+                        if let Some(rl) = &rl {
+                            let k = seq_mean_token_mean(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
+                            mb_stats[4] += w * k.to_scalar::<f32>()? as f64;
+                            loss = (loss + (k * sp.kl_coef)?)?;
+                        }
+                        mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
+                        mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
+                        mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
+                        let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
+                        mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
+                        Ok((loss * w)?)
+                    },
+                    &mut grads,
+                )?;
                 phase::add_tokens(tb.tokens_computed());
                 stats.tokens += tb.tokens_computed();
             }
