@@ -13,7 +13,7 @@ use candle_core::{Tensor, Var};
 use serde_json::json;
 
 use super::config::Config;
-use super::logprob::TokenBatch;
+use super::logprob::{own_hidden, TokenBatch};
 use super::lora;
 use super::model::{move_grads, normal, Decoder, Mode};
 use super::Policy;
@@ -67,13 +67,7 @@ impl Critic {
     /// Values at every position, `[B, T]` (position t: the state after `ids[..=t]`); 0 past a
     /// row's length and, for a batch that shares a prefix, before its last shared token.
     pub fn values_no_grad(&self, batch: &TokenBatch) -> Result<Tensor> {
-        let ids = batch.own_ids_tensor(self.backbone.device())?;
-        let hidden = if batch.prefix == 0 {
-            self.backbone.hidden(&ids, &vec![0; batch.rows], None, Mode::Score)?
-        } else {
-            let prefix = self.backbone.prefix(&batch.ids[..batch.prefix], Mode::Score)?;
-            self.backbone.hidden_after(&prefix, &ids, Mode::Score)?
-        };
+        let (hidden, _) = own_hidden(&self.backbone, batch, Mode::Score)?;
         self.head(batch, &hidden, Mode::Score)
     }
 

@@ -126,7 +126,7 @@ pub struct Scored {
 
 /// The final hidden states of each row's own tokens (those after the shared prefix, which runs
 /// once) and those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
-fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
+pub(crate) fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
     let ids = batch.own_ids_tensor(model.device())?;
     let hidden = if batch.prefix == 0 {
         model.hidden(&ids, &vec![0; batch.rows], None, mode)?
