@@ -1,7 +1,8 @@
 //! LoRA on the tiny presets: fresh adapters change nothing, only adapters train and the base
 //! stays frozen, checkpointed layers (dropout included) give the full graph's gradients, the
 //! PEFT folder round-trips, merging equals the adapter model (library and `model merge`), and a
-//! PPO + KL run trains adapters for the policy and the critic on one shared base and resumes.
+//! PPO + KL run trains adapters for the policy and the critic on one shared base and resumes to
+//! the unbroken run's adapters.
 use std::path::Path;
 use std::process::Command;
 
@@ -241,5 +242,10 @@ fn a_lora_ppo_run_trains_policy_and_critic_adapters_on_one_base_and_resumes() {
     }
     assert!(metrics[1]["update/kl"].as_f64().unwrap() != 0.0, "the adapters moved the policy off the reference");
     train(&["--resume", "runs/lora", "--steps", "3"]);
-    assert!(run.join("checkpoints/step-000003/policy/adapter_model.safetensors").exists());
+    // Resumed from step 2, step 3 equals an unbroken 3-step run's, adapter dropout included.
+    train(&["--env", "scripts/bandit.rhai", "--steps", "3", "--run-dir", "runs/straight"]);
+    for f in ["policy/adapter_model.safetensors", "critic/adapter_model.safetensors", "critic/value_head.safetensors"] {
+        let read = |run: &str| std::fs::read(dir.path().join(run).join("checkpoints/step-000003").join(f)).unwrap();
+        assert!(read("runs/lora") == read("runs/straight"), "{f} after resume differs from the unbroken run's");
+    }
 }

@@ -462,6 +462,7 @@ impl Decoder {
             }
         }
         d.lora = None;
+        d.dropout_seed = Default::default(); // its own passes, not the original's
         d
     }
 
