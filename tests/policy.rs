@@ -249,6 +249,25 @@ fn sampling_is_seeded_and_rows_stop_on_their_own() {
 }
 
 #[test]
+fn a_long_stop_string_stops_where_the_full_text_first_holds_it() {
+    let p = load("tiny-llama");
+    let prompt = chat(&p, "Dragon or Phoenix?");
+    let cfg = GenerationConfig { max_new_tokens: 48, temperature: 1.0, ..Default::default() };
+    let free = p.generate(std::slice::from_ref(&prompt), &cfg, &mut Rng::new(3)).unwrap().remove(0);
+    let chars: Vec<char> = free.text.chars().collect();
+    assert!(chars.len() > 30, "{:?}", free.text);
+    // A stop string of a dozen characters from the back half of the reply, many tokens deep.
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 12].iter().collect();
+    // The reference: the first prefix of the sampled ids whose full text holds the stop string.
+    let expected = (1..=free.ids.len()).find(|&n| p.decode(&free.ids[..n]).unwrap().contains(&stop)).unwrap();
+    let cfg = GenerationConfig { stop_strings: vec![stop.clone()], ..cfg };
+    let stopped = p.generate(std::slice::from_ref(&prompt), &cfg, &mut Rng::new(3)).unwrap().remove(0);
+    assert_eq!(stopped.finish, Finish::Stop);
+    assert_eq!(stopped.ids, free.ids[..expected], "stopped at the first token whose text completes {stop:?}");
+    assert!(stopped.text.ends_with(&stop));
+}
+
+#[test]
 fn end_of_turn_token_stops_a_row() {
     let p = load("tiny-qwen2"); // untied lm_head: one row can be edited
     let prompt = chat(&p, "Up");

@@ -278,12 +278,9 @@ impl Policy {
                 if self.stop_ids.contains(&id) {
                     g.finish = Finish::Eos;
                     done[row] = true;
-                } else if !cfg.stop_strings.is_empty() {
-                    let text = self.decode(&g.ids)?;
-                    if cfg.stop_strings.iter().any(|s| text.contains(s.as_str())) {
-                        g.finish = Finish::Stop;
-                        done[row] = true;
-                    }
+                } else if !cfg.stop_strings.is_empty() && self.stop_string_ends_here(&g.ids, &cfg.stop_strings)? {
+                    g.finish = Finish::Stop;
+                    done[row] = true;
                 }
             }
             if done.iter().all(|&d| d) || step + 1 == cfg.max_new_tokens {
@@ -325,6 +322,23 @@ impl Policy {
             }
         }
         Ok((out, kept))
+    }
+
+    /// Whether the text of `ids` now holds a stop string. Rows are checked after every token, so
+    /// a new match ends in the newest token: only a tail long enough for the longest stop string
+    /// and that token is decoded (with slack for a character cut at the tail's start), not the
+    /// whole reply every token.
+    fn stop_string_ends_here(&self, ids: &[u32], stops: &[String]) -> Result<bool> {
+        let newest = self.decode(&ids[ids.len() - 1..])?.len();
+        let need = stops.iter().map(String::len).max().unwrap_or(0) + newest + 8;
+        let mut n = need.min(ids.len());
+        loop {
+            let text = self.decode(&ids[ids.len() - n..])?;
+            if text.len() >= need || n == ids.len() {
+                return Ok(stops.iter().any(|s| text.contains(s.as_str())));
+            }
+            n = (2 * n).min(ids.len());
+        }
     }
 
     /// The KV cache after every prompt, left-padded to a common end `p`, with room for the new
