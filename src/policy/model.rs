@@ -144,18 +144,21 @@ impl Layer {
 
     /// The layer's weights, named as in HF after `model.layers.{l}.`, in HF order.
     pub fn named_vars(&self) -> Vec<(String, &Var)> {
+        let [q, k, v, o, gate, up, down] = self.linears();
         let mut out = vec![("input_layernorm.weight".to_string(), &self.input_layernorm)];
-        for (name, lin) in [("q_proj", &self.q_proj), ("k_proj", &self.k_proj), ("v_proj", &self.v_proj)] {
-            out.push((format!("self_attn.{name}.weight"), &lin.weight));
+        fn push<'a>(out: &mut Vec<(String, &'a Var)>, (path, lin): (&str, &'a Linear)) {
+            out.push((format!("{path}.weight"), &lin.weight));
             if let Some(b) = &lin.bias {
-                out.push((format!("self_attn.{name}.bias"), b));
+                out.push((format!("{path}.bias"), b));
             }
         }
-        out.push(("self_attn.o_proj.weight".into(), &self.o_proj.weight));
+        for lin in [q, k, v, o] {
+            push(&mut out, lin);
+        }
         out.push(("post_attention_layernorm.weight".into(), &self.post_attention_layernorm));
-        out.push(("mlp.gate_proj.weight".into(), &self.gate_proj.weight));
-        out.push(("mlp.up_proj.weight".into(), &self.up_proj.weight));
-        out.push(("mlp.down_proj.weight".into(), &self.down_proj.weight));
+        for lin in [gate, up, down] {
+            push(&mut out, lin);
+        }
         out
     }
 }
@@ -478,11 +481,10 @@ impl Decoder {
     /// # Shapes
     /// hidden: [N, H] → logits [N, V]
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         if self.lora.is_some() && hidden.device().is_cpu() {
-            return Ok(kernels::frozen_project(hidden, head.as_tensor())?);
+            return Ok(kernels::frozen_project(hidden, self.lm_head_weight())?);
         }
-        Ok(hidden.matmul(&head.as_tensor().t()?)?)
+        Ok(hidden.matmul(&self.lm_head_weight().t()?)?)
     }
 
     /// `logits` without a graph through the weights (sampling, no-grad scoring).
@@ -662,13 +664,8 @@ impl Decoder {
         let mut xp = if prefix.is_empty() { None } else { Some(self.embed(&prefix_ids, Mode::Score)?) };
         let mut inputs = Vec::with_capacity(self.layers.len() + 1);
         for layer in &self.layers {
-            inputs.push((x.clone(), xp.clone()));
-            let mut kv = Vec::with_capacity(1);
-            if let Some(p) = &xp {
-                xp = Some(self.block(layer, p, &prefix_pass, LayerPast::None, Some(&mut kv), Mode::Score)?);
-            }
-            let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
-            x = self.block(layer, &x, &rows_pass, past, None, Mode::Score)?;
+            let (y, yp) = self.block_after_prefix(layer, &x, xp.as_ref(), (&rows_pass, &prefix_pass), Mode::Score)?;
+            inputs.push((std::mem::replace(&mut x, y), std::mem::replace(&mut xp, yp)));
         }
         let hidden = self.final_norm(&x, b, t, Mode::Score)?;
         inputs.push((x, None)); // the prefix's final hidden states are not used
@@ -694,20 +691,9 @@ impl Decoder {
         for (layer, (x_in, xp_in)) in self.layers.iter().zip(inputs).rev() {
             let x = Var::from_tensor(&x_in)?;
             let xp = xp_in.as_ref().map(Var::from_tensor).transpose()?;
-            let mut kv = Vec::with_capacity(1);
-            let yp = match &xp {
-                Some(xp) => Some(self.block(
-                    layer,
-                    xp.as_tensor(),
-                    &prefix_pass,
-                    LayerPast::None,
-                    Some(&mut kv),
-                    Mode::Train,
-                )?),
-                None => None,
-            };
-            let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
-            let y = self.block(layer, x.as_tensor(), &rows_pass, past, None, Mode::Train)?;
+            let passes = (&rows_pass, &prefix_pass);
+            let (y, yp) =
+                self.block_after_prefix(layer, x.as_tensor(), xp.as_ref().map(Var::as_tensor), passes, Mode::Train)?;
             let mut surrogate = (y * &g)?.sum_all()?;
             if let (Some(yp), Some(gp)) = (&yp, &gp) {
                 surrogate = (surrogate + (yp * gp)?.sum_all()?)?;
@@ -720,11 +706,33 @@ impl Decoder {
             };
             move_grads(grads, layer_grads, layer.all_vars())?;
         }
+        if self.lora.is_some() {
+            return Ok(()); // the embedding is frozen
+        }
         let mut surrogate = (self.embed(&ck.ids, Mode::Train)? * g)?.sum_all()?;
         if let Some(gp) = gp {
             surrogate = (surrogate + (self.embed(&ck.prefix_ids, Mode::Train)? * gp)?.sum_all()?)?;
         }
         move_grads(grads, surrogate.backward()?, [&self.embed_tokens])
+    }
+
+    /// One layer over the rows `x` and, when they continue a shared prefix, over the prefix's
+    /// states `xp` first, whose keys and values the rows attend to. Returns (rows, prefix).
+    fn block_after_prefix(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        xp: Option<&Tensor>,
+        (rows_pass, prefix_pass): (&Pass<'_>, &Pass<'_>),
+        mode: Mode,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let mut kv = Vec::with_capacity(1);
+        let yp = match xp {
+            Some(xp) => Some(self.block(layer, xp, prefix_pass, LayerPast::None, Some(&mut kv), mode)?),
+            None => None,
+        };
+        let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
+        Ok((self.block(layer, x, rows_pass, past, None, mode)?, yp))
     }
 
     /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
