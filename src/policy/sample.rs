@@ -252,9 +252,8 @@ impl Policy {
         // Row k of the cache holds the positions of `prompts[row]` and of the tokens fed after
         // it: all generated ids but the last (never fed back).
         let snapshot = |cache: &KvCache, k: usize, row: usize, g: &Generation| -> Result<Resume> {
-            let n = prompts[row].len() + g.ids.len().saturating_sub(1);
             let ids = [prompts[row].as_slice(), &g.ids[..g.ids.len().saturating_sub(1)]].concat();
-            Ok(Resume { ids, kv: cache.row(k, starts[row], n)? })
+            Ok(Resume { kv: cache.row(k, starts[row], ids.len())?, ids })
         };
         let mut done = vec![false; b];
         // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
