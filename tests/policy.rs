@@ -512,6 +512,11 @@ fn reply_grads(p: &Policy, critic: &Critic, b: &TokenBatch, first_reply: usize) 
     for (n, v) in critic.named_vars() {
         out.push((format!("critic.{n}"), gc.get(v.as_tensor()).unwrap_or_else(|| panic!("critic {n}")).clone()));
     }
+    // A gradient that still records its graph keeps the pass's activations alive (every
+    // checkpointed layer's at once, gigabytes at 135M).
+    for (n, g) in &out {
+        assert!(!g.track_op(), "{n}: the stored gradient holds its backward graph");
+    }
     out
 }
 

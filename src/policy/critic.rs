@@ -15,7 +15,7 @@ use serde_json::json;
 use super::config::Config;
 use super::logprob::{own_hidden, TokenBatch};
 use super::lora;
-use super::model::{move_grads, normal, Decoder, Mode};
+use super::model::{move_grads, normal, take_grad, Decoder, Mode};
 use super::Policy;
 use crate::phase::{self, Phase};
 use crate::rng::Rng;
@@ -90,7 +90,7 @@ impl Critic {
         let value = l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         phase::timed(Phase::Backward, || -> Result<()> {
             let mut head = l.backward()?;
-            let grad_h = head.remove(h_leaf.as_tensor()).map_or_else(|| hidden.zeros_like(), Ok)?;
+            let grad_h = take_grad(&mut head, h_leaf.as_tensor()).map_or_else(|| hidden.zeros_like(), Ok)?;
             backprop.backward(&self.backbone, &grad_h, grads)?;
             move_grads(grads, head, [&self.score_weight, &self.score_bias])
         })?;

@@ -21,7 +21,7 @@ use candle_core::{Device, Tensor, Var, D};
 use super::model::Mode;
 use super::Policy;
 use crate::phase::{self, Phase};
-use crate::policy::model::{move_grads, Decoder};
+use crate::policy::model::{move_grads, take_grad, Decoder};
 
 /// Shared prefixes shorter than this run with every row (nothing worth saving).
 const MIN_SHARED_PREFIX: usize = 4;
@@ -246,7 +246,7 @@ impl Policy {
             let surrogate =
                 ((lp * g_lp.narrow(1, at, c)?)?.sum_all()? + (ent * g_ent.narrow(1, at, c)?)?.sum_all()?)?;
             let mut gs = surrogate.backward()?;
-            if let Some(gh) = gs.remove(h_leaf.as_tensor()) {
+            if let Some(gh) = take_grad(&mut gs, h_leaf.as_tensor()) {
                 grad_h = (grad_h + gh)?;
             }
             move_grads(grads, gs, [head])?;

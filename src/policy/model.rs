@@ -163,6 +163,14 @@ impl Layer {
     }
 }
 
+/// Take the gradient of `t` out of a backward pass's store, detached. candle's gradients are
+/// built with graph-recording ops from the forward pass's tensors (a weight's is `xᵀ · dy`), so
+/// a gradient kept as it comes keeps that pass's whole graph alive: across the checkpointed
+/// layers' passes that was every layer's activations at once (~115 MB a layer for SmolLM2).
+pub fn take_grad(store: &mut GradStore, t: &Tensor) -> Option<Tensor> {
+    store.remove(t).map(|g| g.detach())
+}
+
 /// Move the gradients of `vars` from `from` into `into`, adding where `into` has one already.
 /// The rest of `from` is dropped: candle's backward also leaves gradients on the constants a
 /// graph reads (RoPE tables, masks, broadcasts), hundreds of MB per pass that nothing uses.
@@ -172,7 +180,7 @@ pub fn move_grads<'a>(
     vars: impl IntoIterator<Item = &'a Var>,
 ) -> Result<()> {
     for v in vars {
-        if let Some(g) = from.remove(v.as_tensor()) {
+        if let Some(g) = take_grad(&mut from, v.as_tensor()) {
             let g = match into.remove(v.as_tensor()) {
                 Some(acc) => (acc + g)?,
                 None => g,
@@ -685,7 +693,7 @@ impl Decoder {
         let (x_last, _) = inputs.pop().context("no layer inputs")?;
         let x = Var::from_tensor(&x_last)?;
         let mut top = (self.final_norm(x.as_tensor(), b, t, Mode::Train)? * grad)?.sum_all()?.backward()?;
-        let mut g = top.remove(x.as_tensor()).context("no gradient reached the last layer")?;
+        let mut g = take_grad(&mut top, x.as_tensor()).context("no gradient reached the last layer")?;
         move_grads(grads, top, [&self.norm])?;
         let mut gp: Option<Tensor> = None;
         for (layer, (x_in, xp_in)) in self.layers.iter().zip(inputs).rev() {
@@ -699,9 +707,11 @@ impl Decoder {
                 surrogate = (surrogate + (yp * gp)?.sum_all()?)?;
             }
             let mut layer_grads = surrogate.backward()?;
-            g = layer_grads.remove(x.as_tensor()).map_or_else(|| x.as_tensor().zeros_like(), Ok)?;
+            g = take_grad(&mut layer_grads, x.as_tensor()).map_or_else(|| x.as_tensor().zeros_like(), Ok)?;
             gp = match &xp {
-                Some(xp) => Some(layer_grads.remove(xp.as_tensor()).map_or_else(|| xp.as_tensor().zeros_like(), Ok)?),
+                Some(xp) => {
+                    Some(take_grad(&mut layer_grads, xp.as_tensor()).map_or_else(|| xp.as_tensor().zeros_like(), Ok)?)
+                }
                 None => None,
             };
             move_grads(grads, layer_grads, layer.all_vars())?;
