@@ -1,7 +1,7 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::{causal_softmax, frozen_project};
+use ragen_lab::policy::kernels::{causal_softmax, frozen_project, token_scores};
 use ragen_lab::policy::model::attention_mask;
 use ragen_lab::rng::Rng;
 
@@ -76,4 +76,32 @@ fn frozen_project_is_a_matmul_whose_weight_gets_no_gradient() {
         assert!(d < 1e-4, "{rows} rows: input gradient differs by {d}");
         assert!(g.get(w.as_tensor()).is_none(), "the frozen weight got a gradient");
     }
+}
+
+#[test]
+fn token_scores_match_log_softmax_gather_and_entropy_in_values_and_gradients() {
+    let mut rng = Rng::new(17);
+    for (n, v) in [(1, 2), (3, 50), (7, 1000)] {
+        let z = Var::from_tensor(&(random(&[n, v], &mut rng) * 3.0).unwrap()).unwrap();
+        let targets: Vec<u32> = (0..n).map(|_| (rng.next_f64() * v as f64) as u32 % v as u32).collect();
+        let weights = random(&[n, 2], &mut rng);
+        let ours = token_scores(z.as_tensor(), &targets, true).unwrap();
+        // The composite the policy used before: log-softmax, gather, −Σ p log p.
+        let logp = candle_nn::ops::log_softmax(z.as_tensor(), D::Minus1).unwrap();
+        let tgt = Tensor::from_vec(targets.clone(), (n, 1), &Device::Cpu).unwrap();
+        let lp = logp.gather(&tgt, 1).unwrap();
+        let ent = (logp.exp().unwrap() * &logp).unwrap().sum_keepdim(1).unwrap().neg().unwrap();
+        let theirs = Tensor::cat(&[lp, ent], 1).unwrap();
+        let d = max_abs_diff(&ours, &theirs);
+        assert!(d < 1e-4, "{n}x{v}: values differ by {d}");
+        let g_ours = (&ours * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (&theirs * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = max_abs_diff(g_ours.get(z.as_tensor()).unwrap(), g_theirs.get(z.as_tensor()).unwrap());
+        assert!(d < 1e-5, "{n}x{v}: gradients differ by {d}");
+        let plain = token_scores(z.as_tensor(), &targets, false).unwrap();
+        assert_eq!(max_abs_diff(&plain, &ours), 0.0);
+    }
+    let z = Tensor::zeros((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
+    assert!(token_scores(&z, &[0], false).unwrap_err().to_string().contains("1 targets for 2 rows"));
+    assert!(token_scores(&z, &[0, 4], false).unwrap_err().to_string().contains("target 4 outside"));
 }

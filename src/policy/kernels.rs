@@ -4,6 +4,9 @@
 //!
 //! - [`causal_softmax`]: the attention mask and the softmax in one pass over the scores; the
 //!   backward keeps only the probabilities.
+//! - [`token_scores`]: the log-prob of each row's target token and the entropy of its
+//!   distribution, straight from the logits; the backward keeps only the logits (the composite
+//!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
 //! - [`frozen_project`]: `x Wᵀ` for a weight that gets no gradient (LoRA's frozen base). candle's
 //!   matmul backward computes both operands' gradients whether they are wanted or not, so a
 //!   detached weight would still cost a weight-gradient matmul per projection.
@@ -29,6 +32,87 @@ pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bo
 /// `x Wᵀ` (`x` `[N, in]`, `w` `[out, in]`) whose backward computes only the gradient of `x`.
 pub fn frozen_project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(FrozenProject { w: w.detach() })
+}
+
+/// Per row of `logits` `[N, V]`: the log-probability of token `targets[n]` and the entropy
+/// −Σ p log p, as `[N, 2]`. Differentiable in the logits when `grad`.
+pub fn token_scores(logits: &Tensor, targets: &[u32], grad: bool) -> Result<Tensor> {
+    let op = TokenScores { targets: targets.to_vec() };
+    let logits = logits.contiguous()?;
+    if grad {
+        logits.apply_op1(op)
+    } else {
+        logits.apply_op1_no_bwd(&op)
+    }
+}
+
+struct TokenScores {
+    targets: Vec<u32>,
+}
+
+impl CustomOp1 for TokenScores {
+    fn name(&self) -> &'static str {
+        "token-scores"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = layout.shape().dims2()?;
+        self.check(n, v)?;
+        let z = f32_slice(storage, layout, "token-scores")?;
+        let mut out = vec![0f32; 2 * n];
+        out.par_chunks_mut(2).zip(z.par_chunks(v)).zip(&self.targets).for_each(|((o, z), &t)| {
+            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            // One pass: Σ e^(z−max) and Σ e^(z−max)·z, in f64 over a vocabulary-long row.
+            let (mut sum, mut weighted) = (0f64, 0f64);
+            for &x in z {
+                let e = (x - max).exp() as f64;
+                sum += e;
+                weighted += e * x as f64;
+            }
+            let lse = max as f64 + sum.ln();
+            o[0] = (z[t as usize] as f64 - lse) as f32;
+            o[1] = (lse - weighted / sum) as f32; // H = lse − E_p[z]
+        });
+        Ok((CpuStorage::F32(out), Shape::from((n, 2))))
+    }
+
+    /// d lp / dz_j = [j = t] − p_j and d H / dz_j = −p_j (log p_j + H), with log p_j = z_j − lse
+    /// and lse = z_t − lp read back from the forward's output.
+    fn bwd(&self, logits: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (n, v) = logits.dims2()?;
+        let res = res.flatten_all()?.to_vec1::<f32>()?;
+        let g = grad_res.flatten_all()?.to_vec1::<f32>()?;
+        let (storage, layout) = logits.storage_and_layout();
+        let z = match &*storage {
+            Storage::Cpu(s) => f32_slice(s, layout, "token-scores backward")?,
+            _ => candle_core::bail!("token-scores: expected CPU logits"),
+        };
+        let mut dz = vec![0f32; n * v];
+        dz.par_chunks_mut(v).zip(z.par_chunks(v)).enumerate().for_each(|(r, (dz, z))| {
+            let t = self.targets[r] as usize;
+            let (lp, h, g_lp, g_h) = (res[2 * r], res[2 * r + 1], g[2 * r], g[2 * r + 1]);
+            let lse = z[t] - lp;
+            for (d, &x) in dz.iter_mut().zip(z) {
+                let logp = x - lse;
+                let p = logp.exp();
+                *d = -g_lp * p - g_h * p * (logp + h);
+            }
+            dz[t] += g_lp;
+        });
+        Ok(Some(Tensor::from_vec(dz, (n, v), logits.device())?))
+    }
+}
+
+impl TokenScores {
+    fn check(&self, n: usize, v: usize) -> Result<()> {
+        if self.targets.len() != n {
+            candle_core::bail!("token-scores: {} targets for {n} rows", self.targets.len());
+        }
+        if let Some(&t) = self.targets.iter().find(|&&t| t as usize >= v) {
+            candle_core::bail!("token-scores: target {t} outside a vocabulary of {v}");
+        }
+        Ok(())
+    }
 }
 
 struct FrozenProject {

@@ -18,6 +18,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var, D};
 
+use super::kernels;
 use super::model::Mode;
 use super::Policy;
 use crate::phase::{self, Phase};
@@ -193,8 +194,12 @@ impl Policy {
         let (b, _, h) = hidden.dims3()?;
         let hc = hidden.narrow(1, s, c)?.reshape((b * c, h))?;
         let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [B*c, V]
         let tgt = ids.narrow(1, s + 1, c)?.contiguous()?.reshape((b * c, 1))?; // what position t predicts: ids[t+1]
+        if logits.device().is_cpu() {
+            let both = kernels::token_scores(&logits, &tgt.flatten_all()?.to_vec1::<u32>()?, grad)?; // [B*c, 2]
+            return Ok((both.narrow(1, 0, 1)?.reshape((b, c))?, both.narrow(1, 1, 1)?.reshape((b, c))?));
+        }
+        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [B*c, V]
         let lp = logp.gather(&tgt, 1)?.reshape((b, c))?;
         let ent = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?.reshape((b, c))?;
         Ok((lp, ent))
