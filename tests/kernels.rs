@@ -1,7 +1,7 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::{causal_softmax, frozen_project, token_scores};
+use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, token_scores};
 use ragen_lab::policy::model::attention_mask;
 use ragen_lab::rng::Rng;
 
@@ -104,4 +104,30 @@ fn token_scores_match_log_softmax_gather_and_entropy_in_values_and_gradients() {
     let z = Tensor::zeros((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
     assert!(token_scores(&z, &[0], false).unwrap_err().to_string().contains("1 targets for 2 rows"));
     assert!(token_scores(&z, &[0, 4], false).unwrap_err().to_string().contains("target 4 outside"));
+}
+
+#[test]
+fn rms_norm_matches_the_composite_in_values_and_gradients() {
+    let mut rng = Rng::new(23);
+    for (n, h) in [(1, 4), (5, 64), (300, 96)] {
+        let x = Var::from_tensor(&random(&[n, h], &mut rng)).unwrap();
+        let w = Var::from_tensor(&random(&[h], &mut rng)).unwrap();
+        let up = random(&[n, h], &mut rng);
+        let ours = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5, true).unwrap();
+        let theirs = candle_nn::ops::rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+        let d = max_abs_diff(&ours, &theirs);
+        assert!(d < 1e-5, "{n}x{h}: values differ by {d}");
+        let g_ours = (&ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (&theirs * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for (what, v) in [("x", &x), ("w", &w)] {
+            let d = max_abs_diff(g_ours.get(v.as_tensor()).unwrap(), g_theirs.get(v.as_tensor()).unwrap());
+            assert!(d < 1e-4, "{n}x{h}: gradient of {what} differs by {d}");
+        }
+        let plain = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5, false).unwrap();
+        assert_eq!(max_abs_diff(&plain, &ours), 0.0);
+        // A frozen weight gets no gradient.
+        let frozen = rms_norm(x.as_tensor(), &w.as_tensor().detach(), 1e-5, true).unwrap();
+        let g = (&frozen * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(g.get(x.as_tensor()).is_some());
+    }
 }

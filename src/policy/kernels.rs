@@ -7,6 +7,8 @@
 //! - [`token_scores`]: the log-prob of each row's target token and the entropy of its
 //!   distribution, straight from the logits; the backward keeps only the logits (the composite
 //!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
+//! - [`rms_norm`]: RMSNorm in one pass per row; the backward recomputes the row's scale from
+//!   the input (the composite keeps the square, the mean, the root and the quotient).
 //! - [`frozen_project`]: `x Wᵀ` for a weight that gets no gradient (LoRA's frozen base). candle's
 //!   matmul backward computes both operands' gradients whether they are wanted or not, so a
 //!   detached weight would still cost a weight-gradient matmul per projection.
@@ -32,6 +34,97 @@ pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bo
 /// `x Wᵀ` (`x` `[N, in]`, `w` `[out, in]`) whose backward computes only the gradient of `x`.
 pub fn frozen_project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(FrozenProject { w: w.detach() })
+}
+
+/// `x / sqrt(mean(x²) + eps) ⊙ w` over the last axis (`x` `[N, H]`, `w` `[H]`), differentiable
+/// in both when `grad` (the weight only when it records a graph).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32, grad: bool) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    if grad {
+        x.apply_op2(&w, RmsNorm { eps })
+    } else {
+        x.apply_op2_no_bwd(&w, &RmsNorm { eps })
+    }
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// 1 / sqrt(mean(x²) + eps) of one row.
+    fn scale(&self, x: &[f32]) -> f32 {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+        1.0 / (ms + self.eps).sqrt()
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = l1.shape().dims().last().copied().unwrap_or(1).max(1);
+        let (x, w) = (f32_slice(s1, l1, "rms-norm")?, f32_slice(s2, l2, "rms-norm")?);
+        if w.len() != h {
+            candle_core::bail!("rms-norm: a weight of {} for rows of {h}", w.len());
+        }
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(h).zip(x.par_chunks(h)).for_each(|(y, x)| {
+            let r = self.scale(x);
+            for ((o, &v), &g) in y.iter_mut().zip(x).zip(w) {
+                *o = v * r * g;
+            }
+        });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    /// With r = 1/sqrt(mean(x²)+eps): dx = r·(dy⊙w) − x·r³·Σ(dy⊙w⊙x)/H, dw = Σ_rows dy⊙x·r.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let h = w.elem_count();
+        let dy = dy.contiguous()?;
+        let (xs, xl) = x.storage_and_layout();
+        let (ws, wl) = w.storage_and_layout();
+        let (gs, gl) = dy.storage_and_layout();
+        let (x_, w_, g_) = match (&*xs, &*ws, &*gs) {
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
+                (f32_slice(a, xl, "rms-norm")?, f32_slice(b, wl, "rms-norm")?, f32_slice(c, gl, "rms-norm")?)
+            }
+            _ => candle_core::bail!("rms-norm: expected CPU tensors"),
+        };
+        let want_dw = w.track_op();
+        let mut dx = vec![0f32; x_.len()];
+        // Rows in blocks, each block summing its own dw (one vector per block, not per row).
+        let block = 64 * h;
+        let dw = dx
+            .par_chunks_mut(block)
+            .zip(x_.par_chunks(block).zip(g_.par_chunks(block)))
+            .map(|(dx, (x, g))| {
+                let mut dw = vec![0f32; if want_dw { h } else { 0 }];
+                for (dx, (x, g)) in dx.chunks_mut(h).zip(x.chunks(h).zip(g.chunks(h))) {
+                    let r = self.scale(x);
+                    let dot: f32 = g.iter().zip(w_).zip(x).map(|((g, w), x)| g * w * x).sum();
+                    let c = r * r * r * dot / h as f32;
+                    for (((d, &g), &w), &x) in dx.iter_mut().zip(g).zip(w_).zip(x) {
+                        *d = r * g * w - x * c;
+                    }
+                    for ((d, &g), &x) in dw.iter_mut().zip(g).zip(x) {
+                        *d += g * x * r;
+                    }
+                }
+                dw
+            })
+            .reduce(Vec::new, |a, b| match (a.is_empty(), b.is_empty()) {
+                (true, _) => b,
+                (_, true) => a,
+                _ => a.iter().zip(&b).map(|(a, b)| a + b).collect(),
+            });
+        drop((xs, ws, gs));
+        let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
+        let dw = if want_dw { Some(Tensor::from_vec(dw, w.shape(), w.device())?) } else { None };
+        Ok((Some(dx), dw))
+    }
 }
 
 /// Per row of `logits` `[N, V]`: the log-probability of token `targets[n]` and the entropy

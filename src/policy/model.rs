@@ -914,6 +914,7 @@ pub fn attention_mask(b: usize, t: usize, offset: usize, starts: &[usize], dev: 
 /// x: [N, H], weight: [H] → [N, H]
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
     Ok(match mode {
+        Mode::Train | Mode::Score if x.device().is_cpu() => kernels::rms_norm(x, w, eps as f32, mode == Mode::Train)?,
         Mode::Train | Mode::Score => candle_nn::ops::rms_norm_slow(x, w, eps as f32)?,
         Mode::Sample => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?,
     })
