@@ -1,7 +1,7 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, token_scores};
+use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, rope, token_scores};
 use ragen_lab::policy::model::attention_mask;
 use ragen_lab::rng::Rng;
 
@@ -129,5 +129,39 @@ fn rms_norm_matches_the_composite_in_values_and_gradients() {
         let frozen = rms_norm(x.as_tensor(), &w.as_tensor().detach(), 1e-5, true).unwrap();
         let g = (&frozen * &up).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(g.get(x.as_tensor()).is_some());
+    }
+}
+
+/// The composite rotate-half RoPE the training path used before the kernel.
+fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let hd = x.dim(D::Minus1).unwrap();
+    let cos = Tensor::cat(&[cos, cos], D::Minus1).unwrap().unsqueeze(1).unwrap();
+    let sin = Tensor::cat(&[sin, sin], D::Minus1).unwrap().unsqueeze(1).unwrap();
+    let x1 = x.narrow(D::Minus1, 0, hd / 2).unwrap();
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2).unwrap();
+    let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+    (x.broadcast_mul(&cos).unwrap() + rotated.broadcast_mul(&sin).unwrap()).unwrap()
+}
+
+#[test]
+fn rope_matches_the_composite_and_candles_sampling_rope_in_values_and_gradients() {
+    let mut rng = Rng::new(29);
+    for (b, n, t, hd) in [(1, 1, 1, 2), (2, 3, 5, 8), (3, 2, 7, 64)] {
+        let x = Var::from_tensor(&random(&[b, n, t, hd], &mut rng)).unwrap();
+        let angles = random(&[b, t, hd / 2], &mut rng);
+        let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+        let up = random(&[b, n, t, hd], &mut rng);
+        let ours = rope(x.as_tensor(), &cos, &sin, true).unwrap();
+        let theirs = rope_composite(x.as_tensor(), &cos, &sin);
+        let d = max_abs_diff(&ours, &theirs);
+        assert!(d < 1e-5, "{:?}: values differ by {d}", (b, n, t, hd));
+        let sampling = candle_nn::rotary_emb::rope(x.as_tensor(), &cos, &sin).unwrap();
+        assert!(max_abs_diff(&ours, &sampling) < 1e-5, "{:?}: differs from the sampling path", (b, n, t, hd));
+        let g_ours = (&ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (&theirs * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = max_abs_diff(g_ours.get(x.as_tensor()).unwrap(), g_theirs.get(x.as_tensor()).unwrap());
+        assert!(d < 1e-5, "{:?}: gradients differ by {d}", (b, n, t, hd));
+        let plain = rope(x.as_tensor(), &cos, &sin, false).unwrap();
+        assert_eq!(max_abs_diff(&plain, &ours), 0.0);
     }
 }

@@ -9,12 +9,15 @@
 //!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
 //! - [`rms_norm`]: RMSNorm in one pass per row; the backward recomputes the row's scale from
 //!   the input (the composite keeps the square, the mean, the root and the quotient).
+//! - [`rope`]: the rotary embedding with per-row positions as one rotation per pair; its
+//!   backward is the inverse rotation (the composite narrows, negates and concatenates, and
+//!   keeps each piece for backward).
 //! - [`frozen_project`]: `x Wᵀ` for a weight that gets no gradient (LoRA's frozen base). candle's
 //!   matmul backward computes both operands' gradients whether they are wanted or not, so a
 //!   detached weight would still cost a weight-gradient matmul per projection.
 //!
 //! Each is tested against the composite ops for values and gradients (tests/kernels.rs).
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
 /// Softmax over the last axis of attention scores `[B, H, T, L]` (H any number of heads),
@@ -124,6 +127,68 @@ impl CustomOp2 for RmsNorm {
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         let dw = if want_dw { Some(Tensor::from_vec(dw, w.shape(), w.device())?) } else { None };
         Ok((Some(dx), dw))
+    }
+}
+
+/// Rotary embedding in the NeoX/HF "rotate_half" layout: `x` `[B, n, T, hd]` rotated by the
+/// angles whose cosines and sines are `cos`, `sin` `[B, T, hd/2]` (each batch row its own
+/// positions). Differentiable in `x` when `grad`.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, grad: bool) -> Result<Tensor> {
+    let (x, cos, sin) = (x.contiguous()?, cos.contiguous()?, sin.contiguous()?);
+    if grad {
+        x.apply_op3(&cos, &sin, Rope)
+    } else {
+        x.apply_op3_no_bwd(&cos, &sin, &Rope)
+    }
+}
+
+struct Rope;
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, n, t, hd) = l1.shape().dims4()?;
+        let half = hd / 2;
+        if l2.shape().dims() != [b, t, half] || l3.shape() != l2.shape() {
+            candle_core::bail!("rope: tables {:?} / {:?} for x {:?}", l2.shape(), l3.shape(), l1.shape());
+        }
+        let (x, cos, sin) = (f32_slice(s1, l1, "rope")?, f32_slice(s2, l2, "rope")?, f32_slice(s3, l3, "rope")?);
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(hd).zip(x.par_chunks(hd)).enumerate().for_each(|(r, (y, x))| {
+            // Row r is (batch r / (n t), head, position r % t).
+            let at = ((r / (n * t)) * t + r % t) * half;
+            let (c, s) = (&cos[at..at + half], &sin[at..at + half]);
+            let (x1, x2) = x.split_at(half);
+            let (y1, y2) = y.split_at_mut(half);
+            for i in 0..half {
+                y1[i] = x1[i] * c[i] - x2[i] * s[i];
+                y2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    /// The inverse rotation: the same op with the sines negated.
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(dy.contiguous()?.apply_op3_no_bwd(cos, &sin.neg()?, &Rope)?), None, None))
     }
 }
 

@@ -927,6 +927,9 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<Tensor> {
     if mode == Mode::Sample {
         return Ok(candle_nn::rotary_emb::rope(x, cos, sin)?);
     }
+    if x.device().is_cpu() {
+        return Ok(kernels::rope(x, cos, sin, mode == Mode::Train)?);
+    }
     let hd = x.dim(D::Minus1)?;
     let cos = Tensor::cat(&[cos, cos], D::Minus1)?.unsqueeze(1)?; // [B, 1, T, hd]
     let sin = Tensor::cat(&[sin, sin], D::Minus1)?.unsqueeze(1)?;
