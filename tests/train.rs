@@ -136,6 +136,20 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     assert_eq!(steps_of(&run), vec![1, 2, 3]);
     assert_eq!(latest(&run).as_deref(), Some("step-000003"));
     assert!(jsonl(&run.join("events.jsonl")).iter().any(|e| e["kind"] == "resume"));
+
+    // Flags a resumed run cannot honour are refused, saying why (they were silently ignored).
+    for (flag, value) in [("--preset", "starpo"), ("--algo", "grpo"), ("--model", "tiny-qwen2")] {
+        let out = Command::new(BIN)
+            .current_dir(p.path())
+            .args(["train", "--quiet", "--resume", "runs/two", "--steps", "4", flag, value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} with --resume was accepted");
+        assert!(err.contains(&format!("{flag} {value} cannot apply to --resume")), "{err}");
+        assert!(err.contains("settings and model it was started with"), "{err}");
+    }
+    assert_eq!(steps_of(&run), vec![1, 2, 3], "a refused resume trains nothing");
 }
 
 #[test]

@@ -92,7 +92,7 @@ impl StepFigures {
         Self { peak_rss_mb, ..self }
     }
 
-    fn row(&self, label: &str) -> String {
+    pub fn row(&self, label: &str) -> String {
         format!(
             "{label:>6} {:>7.2} | {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>8.0} {:>8.0} | {:>7.0}",
             self.step_s,
@@ -112,7 +112,7 @@ impl StepFigures {
     }
 }
 
-const HEADER: &str = "  step  step_s | rollout prefill  decode    env |  update  old_lp forward backwrd  optim | computed   unique | rss_MB";
+pub const HEADER: &str = "  step  step_s | rollout prefill  decode    env |  update  old_lp forward backwrd  optim | computed   unique | rss_MB";
 
 /// What `bench step` reports.
 #[derive(Debug, Serialize)]
@@ -171,27 +171,6 @@ fn tempfile_dir() -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-/// `ragen-lab bench step`: measure, print the table, write the JSON.
-pub fn run_cli(args: StepArgs) -> Result<()> {
-    let report = measure(&args)?;
-    println!(
-        "{}: {} steps, {} threads (seconds; tokens = model positions)",
-        args.env.display(),
-        args.steps,
-        report.threads
-    );
-    println!("{HEADER}");
-    for (i, s) in report.steps.iter().enumerate() {
-        println!("{}", s.row(&(i + 1).to_string()));
-    }
-    println!("{}", report.median.row("median"));
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing --json {}", path.display()))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
 
@@ -104,6 +103,34 @@ pub fn resolve_settings(
     Ok(s)
 }
 
+/// A resumed run keeps the settings and model it was started with; refuses the flags that would
+/// change them, saying why (`--set` and `--steps` still apply). `saved` is the run's
+/// settings.json. A flag that changes nothing (the model it already uses, the `--algo` its
+/// settings already follow) is accepted, so a resume command may repeat the start command's flags.
+pub fn refuse_on_resume(saved: &Value, preset: Option<Preset>, algo: Option<Algo>, model: Option<&str>) -> Result<()> {
+    let why = "a resumed run continues with the settings and model it was started with (settings.json)";
+    let name = |v: Value| v.as_str().map(String::from).unwrap_or_default();
+    if let Some(p) = preset {
+        let name = name(json!(p));
+        bail!("--preset {name} cannot apply to --resume: {why}; change single settings with --set");
+    }
+    if let Some(a) = algo {
+        let s: Settings = serde_json::from_value(saved["settings"].clone())
+            .context("settings.json does not match this version's settings")?;
+        let mut changed = s.clone();
+        changed.apply_algo(a);
+        if changed != s {
+            bail!("--algo {} cannot apply to --resume: {why}, and its advantage estimator differs (a critic cannot appear or vanish mid-run)", name(json!(a)));
+        }
+    }
+    if let (Some(m), Some(was)) = (model, saved["model"].as_str()) {
+        if m != was {
+            bail!("--model {m} cannot apply to --resume: {why}, and this run trains {was}; start a new run to train another model");
+        }
+    }
+    Ok(())
+}
+
 /// The checkpointed loop state besides weights and optimiser moments.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct State {
@@ -144,8 +171,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     } else {
         (exp.scripts(&host)?, Vec::new())
     };
-    // GPU 0 when built with `--features cuda` and one is present, else the CPU.
-    let device = Device::cuda_if_available(0)?;
+    let device = crate::policy::device()?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
     if opts.progress {
         eprintln!("ragen-lab train: {} with {} → {}", opts.experiment.display(), model, opts.run_dir.display());
