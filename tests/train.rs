@@ -92,7 +92,10 @@ fn wait_for(child: &mut Child, what: &str, mut cond: impl FnMut() -> bool) {
 fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     let p = project();
     let run = p.path().join("runs/two");
-    let summary = run_ok(train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", "runs/two"]));
+    let summary = run_ok(train(
+        p.path(),
+        &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", "runs/two", "--set", "echo.mi_every=2", "--set", "rollout.think=true"],
+    ));
     assert!(summary.contains("steps 1–2"), "{summary}");
 
     let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
@@ -110,6 +113,11 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
         "perf/tokens",
     ] {
         assert!(metrics[1][key].is_number(), "metrics line lacks {key}: {}", metrics[1]);
+    }
+    // Every key an Echo-Trap alarm reads is one the trainer writes (a misspelt key would switch
+    // the alarm off without a word); the probe's keys come every echo.mi_every steps.
+    for key in ragen_lab::metrics::echo_trap::ALARM_KEYS {
+        assert!(metrics[1][key.name()].is_number(), "no alarm can fire on {}: {}", key.name(), metrics[1]);
     }
     let trajs = jsonl(&run.join("rollouts/step-000001.jsonl"));
     assert_eq!(trajs.len(), 4, "2 groups × 2 episodes");

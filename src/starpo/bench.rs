@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use super::settings::{Algo, Preset};
 use super::trainer::{train, Options};
+use crate::metrics::keys::Key;
 use crate::phase::Phase;
 
 /// Time an experiment's training steps by phase.
@@ -47,8 +48,7 @@ macro_rules! step_figures {
 
         impl StepFigures {
             fn from_line(line: &Map<String, Value>) -> Self {
-                let get = |k: &str| line.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-                Self { $($field: get(&$key),)* }
+                Self { $($field: $key.get(line).unwrap_or(0.0),)* }
             }
 
             /// Field-wise median of `steps` (the upper middle for an even count); the peak RSS
@@ -69,22 +69,22 @@ macro_rules! step_figures {
 }
 
 step_figures! {
-    step_s: "time/step_s",
-    rollout_s: "time/rollout_s",
-    prefill_s: format!("time/{}_s", Phase::Prefill.name()),
-    decode_s: format!("time/{}_s", Phase::Decode.name()),
+    step_s: Key::StepS,
+    rollout_s: Key::RolloutS,
+    prefill_s: Key::time(Phase::Prefill),
+    decode_s: Key::time(Phase::Decode),
     /// Env and reward scripts, prompt rendering and tokenising: the rollout less the model.
-    env_s: "time/env_s",
-    update_s: "time/update_s",
-    old_logprobs_s: format!("time/{}_s", Phase::OldLogprobs.name()),
-    forward_s: format!("time/{}_s", Phase::Forward.name()),
-    backward_s: format!("time/{}_s", Phase::Backward.name()),
-    optimizer_s: format!("time/{}_s", Phase::Optimizer.name()),
+    env_s: Key::EnvS,
+    update_s: Key::UpdateS,
+    old_logprobs_s: Key::time(Phase::OldLogprobs),
+    forward_s: Key::time(Phase::Forward),
+    backward_s: Key::time(Phase::Backward),
+    optimizer_s: Key::time(Phase::Optimizer),
     /// Token positions the model computed (rollout and update).
-    tokens_computed: "perf/tokens_computed",
+    tokens_computed: Key::TokensComputed,
     /// Distinct token positions of the step's trajectories (their prefix tree).
-    tokens_unique: "perf/tokens_unique",
-    peak_rss_mb: "perf/peak_rss_mb",
+    tokens_unique: Key::TokensUnique,
+    peak_rss_mb: Key::PeakRssMb,
 }
 
 impl StepFigures {
@@ -153,7 +153,7 @@ pub fn measure(args: &StepArgs) -> Result<StepReport> {
         .context("bench step: the run wrote no metrics")?
         .lines()
         .filter_map(|l| serde_json::from_str::<Map<String, Value>>(l).ok())
-        .filter(|l| l.contains_key("time/step_s"))
+        .filter(|l| l.contains_key(Key::StepS.name()))
         .map(|l| StepFigures::from_line(&l))
         .collect();
     let measured = if steps.len() > 1 { &steps[1..] } else { &steps[..] };
