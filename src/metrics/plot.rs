@@ -126,6 +126,21 @@ fn has_data(panel: &Panel, runs: &[Run]) -> bool {
     runs.iter().any(|r| panel.lines.iter().any(|l| !series(&r.metrics, l.key.name()).is_empty()))
 }
 
+/// Tick labels on the step axis: at most 8, and no more than there are whole steps in the
+/// window, so a two-step run does not get eight ticks all labelled "1".
+fn x_label_count(x0: f64, x1: f64) -> usize {
+    ((x1 - x0).round() as usize + 1).clamp(2, 8)
+}
+
+/// A step-axis tick's label: whole steps only (a tick between two steps stays unlabelled).
+fn step_label(x: f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{x:.0}")
+    } else {
+        String::new()
+    }
+}
+
 /// Draws one panel on an area (any backend).
 fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, runs: &[Run], font: u32) -> Result<()> {
     let mut data = vec![]; // (run index, line index, points, band)
@@ -174,9 +189,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         .configure_mesh()
         .x_desc("step")
         .y_desc(panel.y)
-        .x_labels(8)
+        .x_labels(x_label_count(x0, x1))
         .y_labels(6)
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&|x| step_label(*x))
         .y_label_formatter(&y_label)
         .label_style(("sans-serif", font))
         .axis_desc_style(("sans-serif", font))
@@ -321,4 +336,28 @@ pub fn plot_runs(runs: &[Run], out: &Path) -> Result<(Vec<PathBuf>, Vec<&'static
     let size = (cols as u32 * 620, rows as u32 * 380);
     files.extend(render(out, "overview", size, &Figure::Overview(&shown, (rows, cols)), runs)?);
     Ok((files, skipped.iter().map(|p| p.file).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plotters::coord::ranged1d::Ranged;
+    use plotters::coord::types::RangedCoordf64;
+
+    /// The labels plotters would print on the step axis of a run of `steps` steps.
+    fn step_axis(steps: u64) -> Vec<String> {
+        let (x0, x1) = (1.0, if steps > 1 { steps as f64 } else { 2.0 });
+        let axis: RangedCoordf64 = (x0..x1).into();
+        axis.key_points(x_label_count(x0, x1)).into_iter().map(step_label).filter(|l| !l.is_empty()).collect()
+    }
+
+    #[test]
+    fn short_runs_get_each_step_label_once() {
+        for steps in [1, 2, 3, 5, 12, 200] {
+            let labels = step_axis(steps);
+            let unique: std::collections::HashSet<_> = labels.iter().collect();
+            assert_eq!(unique.len(), labels.len(), "{steps} steps: {labels:?}");
+            assert!(!labels.is_empty() && labels.len() <= 8, "{steps} steps: {labels:?}");
+        }
+    }
 }
