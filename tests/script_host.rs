@@ -8,9 +8,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ragen_lab::script::turn::parse_turn;
 use ragen_lab::cli::check::check;
 use ragen_lab::script::check::check_env;
+use ragen_lab::script::turn::parse_turn;
 use ragen_lab::script::{
     shape_all, EnvScript, Experiment, Host, Limits, Loaded, PromptScript, RewardScript, Role, ScriptError, TurnContext,
     Update, WatchMode, Watcher,
@@ -849,7 +849,11 @@ fn play_matches_actions_like_training_drops_unknown_pieces_and_ends_at_the_actio
     let lines = json_lines(&out.stdout);
     let steps: Vec<(&str, bool)> =
         lines[1..].iter().map(|l| (l["action"].as_str().unwrap(), l["done"].as_bool().unwrap())).collect();
-    assert_eq!(steps, [("Up", false), ("Down", false), ("Up", true)], "canonical names, jump dropped, done at 3: {lines:?}");
+    assert_eq!(
+        steps,
+        [("Up", false), ("Down", false), ("Up", true)],
+        "canonical names, jump dropped, done at 3: {lines:?}"
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("dropped \"JUMP\": not an action of this env (Up, Down)"), "{err}");
 }
@@ -928,8 +932,11 @@ fn check_turn_runs_a_reward_script_or_an_experiment_on_a_written_turn() {
     assert_eq!(played["done"], true, "3 actions spent");
     assert_eq!(played["reward"], 3.0, "env 1 + 2 parsed actions");
 
-    std::fs::write(dir.path().join("over.json"), r#"{"response": "<answer>Up || Up</answer>", "before": ["Up || Up"], "think": false}"#)
-        .unwrap();
+    std::fs::write(
+        dir.path().join("over.json"),
+        r#"{"response": "<answer>Up || Up</answer>", "before": ["Up || Up"], "think": false}"#,
+    )
+    .unwrap();
     let over = run("scripts/x.rhai", "over.json");
     assert_eq!((over["steps"].as_array().unwrap().len(), over["dropped"].clone()), (1, json!(["Up"])));
 }

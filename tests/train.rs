@@ -94,7 +94,18 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     let run = p.path().join("runs/two");
     let summary = run_ok(train(
         p.path(),
-        &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", "runs/two", "--set", "echo.mi_every=2", "--set", "rollout.think=true"],
+        &[
+            "--env",
+            "scripts/bandit.rhai",
+            "--steps",
+            "2",
+            "--run-dir",
+            "runs/two",
+            "--set",
+            "echo.mi_every=2",
+            "--set",
+            "rollout.think=true",
+        ],
     ));
     assert!(summary.contains("steps 1–2"), "{summary}");
 

@@ -152,13 +152,16 @@ fn run_step(args: StepArgs) -> Result<()> {
     Ok(())
 }
 
-
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Policy(a) => run_policy(a),
         What::Step(a) => run_step(a),
         What::Envs(a) => {
-            let scripts = if a.scripts.is_empty() { env_scripts(Path::new("envs")).map_err(anyhow::Error::msg)? } else { a.scripts };
+            let scripts = if a.scripts.is_empty() {
+                env_scripts(Path::new("envs")).map_err(anyhow::Error::msg)?
+            } else {
+                a.scripts
+            };
             if scripts.is_empty() {
                 bail!("no env scripts found in envs/; name them: ragen-lab bench envs envs/x.rhai");
             }

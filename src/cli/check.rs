@@ -59,7 +59,8 @@ pub fn run(args: Args) -> Result<()> {
     let overrides =
         args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     if let Some(turn) = &args.turn {
-        let text = std::fs::read_to_string(turn).map_err(|e| anyhow::anyhow!("reading --turn {}: {e}", turn.display()))?;
+        let text =
+            std::fs::read_to_string(turn).map_err(|e| anyhow::anyhow!("reading --turn {}: {e}", turn.display()))?;
         let report = check_turn(&host, &args.script, &text, &overrides, &turn_settings)
             .map_err(|e| anyhow::anyhow!("{}: {e}", turn.display()))?;
         println!("{}", serde_json::to_string_pretty(&report)?);

@@ -119,7 +119,8 @@ impl Game {
                     if out.effective || !out.valid { "" } else { " (no effect)" },
                     match (done, out.success) {
                         (true, true) => ", done: success".to_string(),
-                        (true, false) if !out.done => format!(", done: the {} actions of the episode are spent", limits.max_actions),
+                        (true, false) if !out.done =>
+                            format!(", done: the {} actions of the episode are spent", limits.max_actions),
                         (true, false) => ", done".to_string(),
                         _ => String::new(),
                     },
@@ -187,7 +188,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     let prompt = |done: bool| {
         if interactive && !args.json {
-            let over = if args.watch { "(done; edit the script to replay, empty line quits) " } else { "(done; empty line quits) " };
+            let over = if args.watch {
+                "(done; edit the script to replay, empty line quits) "
+            } else {
+                "(done; empty line quits) "
+            };
             eprint!("{}", if done { over } else { "action> " });
         }
     };

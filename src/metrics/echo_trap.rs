@@ -681,11 +681,7 @@ mod tests {
             (Key::Repetition, 0.1 + jitter(r, 0.08)),
         ];
         if s.is_multiple_of(5) {
-            v.extend([
-                (Key::MiEstimate, 1.6 + jitter(r, 0.2)),
-                (Key::RetrievalAccuracy, 0.7),
-                (Key::MiSamples, 8.0),
-            ]);
+            v.extend([(Key::MiEstimate, 1.6 + jitter(r, 0.2)), (Key::RetrievalAccuracy, 0.7), (Key::MiSamples, 8.0)]);
         }
         v
     }
@@ -700,8 +696,7 @@ mod tests {
     /// until 90; the grad norm spikes at 90; entropy collapses from 100; thinking shrinks from 60.
     fn collapsing(s: u64, r: &mut Rng) -> Vec<(Key, f64)> {
         let mut v = healthy(s, r);
-        let set =
-            |v: &mut Vec<(Key, f64)>, k: Key, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
+        let set = |v: &mut Vec<(Key, f64)>, k: Key, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
         if s >= 40 {
             set(&mut v, Key::InGroupStd, 0.04 + jitter(r, 0.01));
         }

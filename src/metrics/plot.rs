@@ -84,12 +84,7 @@ pub const PANELS: &[Panel] = &[
         y: "KL",
         lines: &[line(Key::Kl, "kl"), line(Key::ApproxKl, "approx kl (old policy)")],
     },
-    Panel {
-        file: "clip_frac",
-        title: "Clip fraction",
-        y: "fraction",
-        lines: &[line(Key::ClipFrac, "clip fraction")],
-    },
+    Panel { file: "clip_frac", title: "Clip fraction", y: "fraction", lines: &[line(Key::ClipFrac, "clip fraction")] },
     Panel {
         file: "mutual_info",
         title: "Template collapse: MI(prompt; reasoning)",

@@ -62,4 +62,3 @@ pub fn env_scripts(dir: &Path) -> Result<Vec<PathBuf>, String> {
     out.sort();
     Ok(out)
 }
-

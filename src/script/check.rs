@@ -189,7 +189,6 @@ pub fn check(
     }
 }
 
-
 /// A turn written by hand for `check --turn FILE.json` (README, "Testing a reward script").
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -290,19 +289,34 @@ pub fn check_turn(
                 let earlier = limits.parse(&format!("<answer>{answer}</answer>"), &info, false);
                 apply_turn(&mut ep, &earlier, limits.max_actions, |_, _, _| Ok(())).map_err(|e| e.to_string())?;
                 if ep.done || ep.steps >= limits.max_actions {
-                    return Err(format!("the episode ended during `before` ({answer:?}); the turn has nothing to play"));
+                    return Err(format!(
+                        "the episode ended during `before` ({answer:?}); the turn has nothing to play"
+                    ));
                 }
             }
             let turn = limits.parse(&file.response, &info, think);
-            let applied = apply_turn(&mut ep, &turn, limits.max_actions, |_, _, _| Ok(())).map_err(|e| e.to_string())?;
+            let applied =
+                apply_turn(&mut ep, &turn, limits.max_actions, |_, _, _| Ok(())).map_err(|e| e.to_string())?;
             let steps = applied
                 .steps
                 .iter()
-                .map(|(a, o)| TurnStep { action: a.clone(), reward: o.reward, done: o.done, success: o.success, valid: o.valid })
+                .map(|(a, o)| TurnStep {
+                    action: a.clone(),
+                    reward: o.reward,
+                    done: o.done,
+                    success: o.success,
+                    valid: o.valid,
+                })
                 .collect();
             (turn, scripts.rewards, steps, applied.dropped, applied.env_reward, applied.done)
         }
-        other => return Err(format!("--turn needs a reward or experiment script; this is a{} {} script", if other == Role::Env { "n" } else { "" }, other.name())),
+        other => {
+            return Err(format!(
+                "--turn needs a reward or experiment script; this is a{} {} script",
+                if other == Role::Env { "n" } else { "" },
+                other.name()
+            ))
+        }
     };
     let mut shaped = Vec::new();
     let mut reward = env_reward;

@@ -41,8 +41,11 @@ pub fn data(run: &Run) -> Result<Value> {
     let panels: Vec<Value> = PANELS
         .iter()
         .map(|p| {
-            let lines: Vec<Value> =
-                p.lines.iter().map(|l| json!({"key": l.key.name(), "label": l.label, "band": l.band.map(Key::name)})).collect();
+            let lines: Vec<Value> = p
+                .lines
+                .iter()
+                .map(|l| json!({"key": l.key.name(), "label": l.label, "band": l.band.map(Key::name)}))
+                .collect();
             json!({"file": p.file, "title": p.title, "y": p.y, "lines": lines})
         })
         .collect();
