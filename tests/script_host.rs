@@ -765,14 +765,14 @@ fn new_writes_a_starter_that_passes_check() {
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
 }
 
-#[test]
-fn play_watch_replays_on_the_new_version() {
-    let dir = project(&[("envs/t.rhai", GOOD)]);
+/// `play --actions A,A --json --watch --poll` on `envs/t.rhai` in `dir` (stderr piped), and a
+/// function that returns its next JSON line (panicking after 20 s of silence).
+fn play_watching(dir: &Path) -> (std::process::Child, impl Fn() -> Value) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
         .args(["play", "--env", "envs/t.rhai", "--actions", "A,A", "--json", "--watch", "--poll"])
-        .current_dir(dir.path())
+        .current_dir(dir)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -784,9 +784,16 @@ fn play_watch_replays_on_the_new_version() {
             }
         }
     });
-    let next = || -> Value {
-        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play printed nothing")).unwrap()
+    let next = move || -> Value {
+        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play stopped printing")).unwrap()
     };
+    (child, next)
+}
+
+#[test]
+fn play_watch_replays_on_the_new_version() {
+    let dir = project(&[("envs/t.rhai", GOOD)]);
+    let (mut child, next) = play_watching(dir.path());
     let first: Vec<Value> = (0..3).map(|_| next()).collect();
     assert_eq!(first[2]["obs"], "n=2");
     std::fs::write(dir.path().join("envs/t.rhai"), GOOD.replace("`n=${s.n}`", "`count ${s.n}`")).unwrap();
@@ -861,25 +868,7 @@ fn play_matches_actions_like_training_drops_unknown_pieces_and_ends_at_the_actio
 #[test]
 fn play_watch_survives_a_version_that_fails_during_the_replay() {
     let dir = project(&[("envs/t.rhai", GOOD)]);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
-        .args(["play", "--env", "envs/t.rhai", "--actions", "A,A", "--json", "--watch", "--poll"])
-        .current_dir(dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let stdout = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            if tx.send(line.unwrap()).is_err() {
-                return;
-            }
-        }
-    });
-    let next = || -> Value {
-        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play stopped printing")).unwrap()
-    };
+    let (mut child, next) = play_watching(dir.path());
     let first: Vec<Value> = (0..3).map(|_| next()).collect();
     assert_eq!(first[2]["obs"], "n=2");
     // Compiles and passes the one-step smoke test, but throws on the replay's second step.
