@@ -516,7 +516,7 @@ fn non_finite_and_extreme_env_rewards_are_refused_by_name() {
 
 #[test]
 fn non_finite_and_extreme_shaped_rewards_are_refused_by_name() {
-    let turn = ragen_lab::agent::turn::parse_turn("<answer>A</answer>", &["A".to_string()], 1, true);
+    let turn = ragen_lab::script::turn::parse_turn("<answer>A</answer>", &["A".to_string()], 1, true);
     for (ret, says) in [
         ("reward / 0.0", "is inf"),
         ("parse_float(\"NaN\")", "is NaN"),

@@ -2,14 +2,15 @@
 //! rules, the prompt template and reward scripts, live reload, and the CLI contracts
 //! (`play --json`, `check`, `new`, `play --watch`).
 use std::collections::{HashSet, VecDeque};
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ragen_lab::agent::turn::parse_turn;
-use ragen_lab::cli::check::{check, check_env};
+use ragen_lab::cli::check::check;
+use ragen_lab::script::check::check_env;
+use ragen_lab::script::turn::parse_turn;
 use ragen_lab::script::{
     shape_all, EnvScript, Experiment, Host, Limits, Loaded, PromptScript, RewardScript, Role, ScriptError, TurnContext,
     Update, WatchMode, Watcher,
@@ -764,14 +765,14 @@ fn new_writes_a_starter_that_passes_check() {
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
 }
 
-#[test]
-fn play_watch_replays_on_the_new_version() {
-    let dir = project(&[("envs/t.rhai", GOOD)]);
+/// `play --actions A,A --json --watch --poll` on `envs/t.rhai` in `dir` (stderr piped), and a
+/// function that returns its next JSON line (panicking after 20 s of silence).
+fn play_watching(dir: &Path) -> (std::process::Child, impl Fn() -> Value) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
         .args(["play", "--env", "envs/t.rhai", "--actions", "A,A", "--json", "--watch", "--poll"])
-        .current_dir(dir.path())
+        .current_dir(dir)
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -783,9 +784,16 @@ fn play_watch_replays_on_the_new_version() {
             }
         }
     });
-    let next = || -> Value {
-        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play printed nothing")).unwrap()
+    let next = move || -> Value {
+        serde_json::from_str(&rx.recv_timeout(Duration::from_secs(20)).expect("play stopped printing")).unwrap()
     };
+    (child, next)
+}
+
+#[test]
+fn play_watch_replays_on_the_new_version() {
+    let dir = project(&[("envs/t.rhai", GOOD)]);
+    let (mut child, next) = play_watching(dir.path());
     let first: Vec<Value> = (0..3).map(|_| next()).collect();
     assert_eq!(first[2]["obs"], "n=2");
     std::fs::write(dir.path().join("envs/t.rhai"), GOOD.replace("`n=${s.n}`", "`count ${s.n}`")).unwrap();
@@ -821,4 +829,112 @@ fn episodes_run_on_many_threads_exactly_as_on_one() {
         handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(one, many);
+}
+
+// ---- issue 11: play and check act through the rollout's turn code ------------------------------
+
+/// Two actions, a budget of 3 per episode, never done by itself; `Up` pays 1.
+const BUDGET: &str = r#"fn describe(p) { #{ name: "b", instruction: "i", actions: ["Up", "Down"], max_actions: 3 } }
+fn reset(seed, p) { #{ n: 0 } }
+fn render(s) { `n=${s.n}` }
+fn step(s, a) { s.n += 1; #{ reward: if a == "Up" { 1.0 } else { 0.0 }, done: false, valid: a == "Up" || a == "Down" } }
+"#;
+
+fn json_lines(out: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(out).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn play_matches_actions_like_training_drops_unknown_pieces_and_ends_at_the_action_budget() {
+    let dir = project(&[("envs/b.rhai", BUDGET)]);
+    let out = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
+        .args(["play", "--env", "envs/b.rhai", "--actions", "up || JUMP || down,UP,Up,Down", "--json"])
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = json_lines(&out.stdout);
+    let steps: Vec<(&str, bool)> =
+        lines[1..].iter().map(|l| (l["action"].as_str().unwrap(), l["done"].as_bool().unwrap())).collect();
+    assert_eq!(
+        steps,
+        [("Up", false), ("Down", false), ("Up", true)],
+        "canonical names, jump dropped, done at 3: {lines:?}"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("dropped \"JUMP\": not an action of this env (Up, Down)"), "{err}");
+}
+
+#[test]
+fn play_watch_survives_a_version_that_fails_during_the_replay() {
+    let dir = project(&[("envs/t.rhai", GOOD)]);
+    let (mut child, next) = play_watching(dir.path());
+    let first: Vec<Value> = (0..3).map(|_| next()).collect();
+    assert_eq!(first[2]["obs"], "n=2");
+    // Compiles and passes the one-step smoke test, but throws on the replay's second step.
+    let failing = GOOD.replace("s.n += 1;", "if s.n == 1 { throw \"second step\"; } s.n += 1;");
+    std::fs::write(dir.path().join("envs/t.rhai"), failing).unwrap();
+    let (reset, step) = (next(), next());
+    assert_eq!((reset["event"].as_str(), step["obs"].as_str()), (Some("reset"), Some("n=1")));
+    std::fs::write(dir.path().join("envs/t.rhai"), GOOD.replace("`n=${s.n}`", "`count ${s.n}`")).unwrap();
+    let replay: Vec<Value> = (0..3).map(|_| next()).collect();
+    assert!(child.try_wait().unwrap().is_none(), "play quit");
+    let _ = child.kill();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let _ = child.wait();
+    assert_eq!(replay[2]["obs"], "count 2", "the fixed version replays the episode");
+    assert!(err.contains("the new version failed replaying the episode, keeping the old one"), "{err}");
+    assert!(err.contains("second step"), "{err}");
+}
+
+#[test]
+fn check_turn_runs_a_reward_script_or_an_experiment_on_a_written_turn() {
+    let dir = project(&[
+        ("envs/b.rhai", BUDGET),
+        ("prompts/p.rhai", "fn system(info) { \"s\" }\nfn user(info, turn) { turn.obs }\n"),
+        ("rewards/r.rhai", "fn shape(turn, reward) { reward + turn.actions.len() }\n"),
+        ("scripts/x.rhai", "fn experiment() { #{ env: \"envs/b.rhai\", prompt: \"prompts/p.rhai\", rewards: [\"rewards/r.rhai\"] } }\n"),
+        ("alone.json", r#"{"response": "plan</think><answer>up || jump</answer>", "actions": ["Up", "Down"], "env_reward": 0.5}"#),
+        ("played.json", r#"{"response": "<think>go</think><answer>UP || down</answer>", "before": ["Up"], "seed": 3}"#),
+    ]);
+    let run = |script: &str, turn: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ragen-lab"))
+            .args(["check", script, "--turn", turn])
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let alone = run("rewards/r.rhai", "alone.json");
+    assert_eq!(alone["turn"]["actions"], json!(["Up"]));
+    assert_eq!(alone["turn"]["invalid_actions"], json!(["jump"]));
+    assert_eq!(alone["reward"], 1.5);
+    assert_eq!(alone["shaped"], json!([{"script": "rewards/r.rhai", "reward": 1.5}]));
+
+    // On the experiment's env: one action left of the budget of 3 after `before`... two are.
+    let played = run("scripts/x.rhai", "played.json");
+    assert_eq!(played["turn"]["actions"], json!(["Up", "Down"]));
+    assert_eq!(played["steps"].as_array().unwrap().len(), 2);
+    assert_eq!(played["env_reward"], 1.0);
+    assert_eq!(played["done"], true, "3 actions spent");
+    assert_eq!(played["reward"], 3.0, "env 1 + 2 parsed actions");
+
+    std::fs::write(
+        dir.path().join("over.json"),
+        r#"{"response": "<answer>Up || Up</answer>", "before": ["Up || Up"], "think": false}"#,
+    )
+    .unwrap();
+    let over = run("scripts/x.rhai", "over.json");
+    assert_eq!((over["steps"].as_array().unwrap().len(), over["dropped"].clone()), (1, json!(["Up"])));
+}
+
+#[test]
+fn check_counts_one_success_in_the_singular() {
+    let src = "fn describe(p) { #{ name: \"t\", instruction: \"i\", actions: [\"A\"] } }\nfn reset(seed, p) { #{ n: 0 } }\nfn render(s) { `n=${s.n}` }\nfn step(s, a) { #{ reward: 1.0, done: true, success: true } }\n";
+    let dir = project(&[("envs/t.rhai", src)]);
+    let lines = check(&Host::new(dir.path(), Limits::default()), &dir.path().join("envs/t.rhai"), 1, &[]);
+    let line = lines[0].as_ref().unwrap();
+    assert!(line.contains("1 random episode, 1 step, 1 success, deterministic"), "{line}");
 }

@@ -92,7 +92,21 @@ fn wait_for(child: &mut Child, what: &str, mut cond: impl FnMut() -> bool) {
 fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     let p = project();
     let run = p.path().join("runs/two");
-    let summary = run_ok(train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", "runs/two"]));
+    let summary = run_ok(train(
+        p.path(),
+        &[
+            "--env",
+            "scripts/bandit.rhai",
+            "--steps",
+            "2",
+            "--run-dir",
+            "runs/two",
+            "--set",
+            "echo.mi_every=2",
+            "--set",
+            "rollout.think=true",
+        ],
+    ));
     assert!(summary.contains("steps 1–2"), "{summary}");
 
     let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
@@ -110,6 +124,11 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
         "perf/tokens",
     ] {
         assert!(metrics[1][key].is_number(), "metrics line lacks {key}: {}", metrics[1]);
+    }
+    // Every key an Echo-Trap alarm reads is one the trainer writes (a misspelt key would switch
+    // the alarm off without a word); the probe's keys come every echo.mi_every steps.
+    for key in ragen_lab::metrics::echo_trap::ALARM_KEYS {
+        assert!(metrics[1][key.name()].is_number(), "no alarm can fire on {}: {}", key.name(), metrics[1]);
     }
     let trajs = jsonl(&run.join("rollouts/step-000001.jsonl"));
     assert_eq!(trajs.len(), 4, "2 groups × 2 episodes");
@@ -136,6 +155,20 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     assert_eq!(steps_of(&run), vec![1, 2, 3]);
     assert_eq!(latest(&run).as_deref(), Some("step-000003"));
     assert!(jsonl(&run.join("events.jsonl")).iter().any(|e| e["kind"] == "resume"));
+
+    // Flags a resumed run cannot honour are refused, saying why (they were silently ignored).
+    for (flag, value) in [("--preset", "starpo"), ("--algo", "grpo"), ("--model", "tiny-qwen2")] {
+        let out = Command::new(BIN)
+            .current_dir(p.path())
+            .args(["train", "--quiet", "--resume", "runs/two", "--steps", "4", flag, value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} with --resume was accepted");
+        assert!(err.contains(&format!("{flag} {value} cannot apply to --resume")), "{err}");
+        assert!(err.contains("settings and model it was started with"), "{err}");
+    }
+    assert_eq!(steps_of(&run), vec![1, 2, 3], "a refused resume trains nothing");
 }
 
 #[test]

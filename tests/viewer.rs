@@ -240,8 +240,13 @@ fn viewer_page_shows_steps_turns_invalid_actions_and_alarms_in_headless_chromium
 }
 
 fn http_get(addr: &str, path: &str) -> (String, String) {
+    http_get_as(addr, path, addr)
+}
+
+/// A GET naming the server as `host`; the connection closes after the answer.
+fn http_get_as(addr: &str, path: &str, host: &str) -> (String, String) {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
     let (head, body) = resp.split_once("\r\n\r\n").unwrap();
@@ -286,6 +291,21 @@ fn view_serve_follows_a_growing_run_on_reload() {
     assert!(head.contains("text/plain") && body.contains("\"group\":1"));
     let (head, _) = http_get(&addr, "/../../etc/passwd");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+
+    // Loopback by default; a connection that sends nothing (a browser's pre-connect) does not
+    // hold up the others (it held them for the 5 s read timeout, one connection at a time).
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+    let idle = std::net::TcpStream::connect(&addr).unwrap();
+    let t = std::time::Instant::now();
+    let (head, _) = http_get(&addr, "/data.json");
+    assert!(head.starts_with("HTTP/1.1 200") && t.elapsed() < std::time::Duration::from_secs(2), "{head}");
+    drop(idle);
+    // A page on another site that rebinds its domain to 127.0.0.1 names that domain as the Host.
+    let (head, body) = http_get_as(&addr, "/data.json", "rebound.example");
+    assert!(head.starts_with("HTTP/1.1 403") && !body.contains("trajectories"), "{head}");
+    let port = addr.rsplit(':').next().unwrap();
+    let (head, _) = http_get_as(&addr, "/data.json", &format!("localhost:{port}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     child.kill().unwrap();
     child.wait().unwrap();
 }

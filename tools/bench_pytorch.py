@@ -9,7 +9,7 @@ Measures, for a causal LM on CPU with a fixed thread count (default 2, to match 
   every position, backward, one AdamW step (lr 1e-5); step 0 is a warm-up and not counted.
 
 Writes the JSON that `ragen-lab bench policy --compare FILE` reads (keys documented in
-src/policy/bench.rs). Needs torch, transformers, accelerate and gguf (for a .gguf model):
+src/starpo/policy_bench.rs). Needs torch, transformers, accelerate and gguf (for a .gguf model):
 
     python3 -m venv /tmp/torchenv && /tmp/torchenv/bin/pip install torch transformers accelerate gguf
     /tmp/torchenv/bin/python tools/bench_pytorch.py --model ~/.cache/ragen-lab/models/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf \

@@ -1,7 +1,7 @@
-//! The agent side of a rollout: turn parsing (`turn`), the per-episode chat history and context
-//! window (`history`), packing a finished episode into one training sequence (`pack`), and the
-//! batched multi-turn rollout (`rollout`).
+//! The agent side of a rollout: the per-episode chat history and context window (`history`),
+//! packing a finished episode into one training sequence (`pack`), and the batched multi-turn
+//! rollout with its settings section (`rollout`). Turn parsing and applying a turn to an
+//! episode are pure script-side work (`script::turn`), shared with `play` and `check`.
 pub mod history;
 pub mod pack;
 pub mod rollout;
-pub mod turn;

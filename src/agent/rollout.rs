@@ -13,11 +13,47 @@ use serde_json::{Map, Value};
 
 use super::history::History;
 use super::pack::Packed;
-use super::turn::{parse_turn, ParsedTurn};
 use crate::policy::{GenerationConfig, Policy, Resume};
 use crate::rng::Rng;
-use crate::script::{shape_all, Episode, ExperimentScripts, TurnContext};
-use crate::starpo::settings::Rollout as RolloutSettings;
+use crate::script::turn::{apply_and_shape, ParsedTurn, TurnLimits};
+use crate::script::{Episode, ExperimentScripts, TurnContext};
+
+settings_section! {
+    /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
+    Rollout {
+        /// Number of env groups P per step; each group shares one start state (seed).
+        env_groups: usize = 4,
+        /// Episodes N per group.
+        group_size: usize = 8,
+        /// Most turns per episode; 0 = the env's own max_turns.
+        max_turns: usize = 0,
+        /// Most env actions per episode; 0 = the env's own max_actions.
+        max_actions: usize = 0,
+        /// Most actions parsed from one turn (`a || b || …`); 0 = the env's own value.
+        max_actions_per_turn: usize = 0,
+        /// Most generated tokens per turn (RAGEN: 400; its Bandit: 500).
+        response_length: usize = 128,
+        /// Most tokens in a whole packed trajectory (RAGEN max_model_len: 3600); an episode
+        /// whose next prompt would pass it ends (truncated).
+        max_context_tokens: usize = 3600,
+        /// Sampling temperature for training rollouts.
+        temperature: f64 = 1.0,
+        /// Nucleus sampling mass (1 = off).
+        top_p: f64 = 1.0,
+        /// Top-k sampling (0 = off).
+        top_k: usize = 0,
+        /// Think mode: generation starts inside `<think>`; false = no-think, it starts inside
+        /// `<answer>` and the model gives the answer alone.
+        think: bool = true,
+        /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
+        context_window: usize = 0,
+        /// Keys and values kept between turns so the next turn prefills only its new tokens,
+        /// in MB for the whole batch (0 = re-prefill every turn); episodes past it re-prefill.
+        kv_cache_mb: usize = 2048,
+        /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
+        seed_base: u64 = 10000,
+    }
+}
 
 /// What one rollout is asked to do.
 #[derive(Clone, Debug)]
@@ -114,13 +150,13 @@ pub fn rollout(
     policy: &Policy,
     scripts: &ExperimentScripts,
     plan: &Plan,
-    s: &RolloutSettings,
+    s: &Rollout,
     rng: &mut Rng,
 ) -> Result<Vec<Trajectory>> {
     let info = scripts.env.info(&plan.params)?;
     let max_turns = if s.max_turns > 0 { s.max_turns } else { info.max_turns }.max(1);
-    let max_actions = if s.max_actions > 0 { s.max_actions } else { info.max_actions }.max(1);
-    let per_turn = if s.max_actions_per_turn > 0 { s.max_actions_per_turn } else { info.max_actions_per_turn }.max(1);
+    let limits = TurnLimits::resolve(&info, s.max_actions, s.max_actions_per_turn);
+    let max_actions = limits.max_actions;
     let system = scripts.prompt.system(&info)?;
     let open_tag = if s.think { "<think>" } else { "<answer>" };
     let open_ids =
@@ -203,28 +239,18 @@ pub fn rollout(
         // 3. Parse, step, shape.
         for ((i, _, obs, user), gen) in batch.into_iter().zip(gens) {
             let ep = &mut live[i];
-            let parsed: ParsedTurn = parse_turn(&gen.text, &info.actions, per_turn, s.think);
-            let mut env_reward = 0.0;
-            let mut invalid = parsed.invalid_actions.clone();
-            for action in &parsed.actions {
-                if ep.episode.done || ep.actions_taken >= max_actions {
-                    break; // extra actions are dropped, as in RAGEN
-                }
-                let out = ep.episode.step(action)?;
-                ep.actions_taken += 1;
-                env_reward += out.reward;
-                ep.success |= out.success;
-                if out.valid {
-                    ep.actions_valid += 1;
-                } else {
-                    invalid.push(action.clone());
-                }
-            }
-            // Shaping (RAGEN's format penalty included) is the experiment's reward scripts' job.
-            let reward = shape_all(&scripts.rewards, &parsed, env_reward)?;
+            let parsed: ParsedTurn = limits.parse(&gen.text, &info, s.think);
+            // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
+            // (RAGEN's format penalty included) is the experiment's reward scripts' job.
+            let (applied, reward) =
+                apply_and_shape(&mut ep.episode, &parsed, max_actions, &scripts.rewards, |_, _, _| Ok(()))?;
+            ep.actions_taken += applied.steps.len();
+            ep.actions_valid += applied.valid_steps();
+            ep.success |= applied.success;
+            let (env_reward, invalid) = (applied.env_reward, applied.invalid_actions);
             ep.history.push_assistant(parsed.reserialize());
             ep.prev_reward = Some(reward);
-            ep.done = ep.episode.done || ep.actions_taken >= max_actions || turn == max_turns;
+            ep.done = applied.done || turn == max_turns;
             let think_tokens = match &parsed.think {
                 Some(t) if !t.is_empty() => policy.tokenizer.encode(t.as_str(), false).map(|e| e.len()).unwrap_or(0),
                 _ => 0,

@@ -1,14 +1,16 @@
-//! `ragen-lab bench`: speed measurements. `bench envs` plays random episodes of each env
-//! script through the real host and prints resets/s and steps/s; `bench policy` and
-//! `bench step` live with what they measure (policy/bench.rs, starpo/bench.rs).
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+//! `ragen-lab bench`: speed measurements, each a call into the module it measures: `bench envs`
+//! (script/bench.rs), `bench policy` (starpo/policy_bench.rs), `bench step` (starpo/bench.rs).
+use std::path::Path;
+use std::time::Duration;
 
-use anyhow::{bail, Result};
-use serde_json::Map;
+use anyhow::{bail, Context, Result};
 
-use crate::rng::Rng;
+use crate::policy::lora::{attach, LoraConfig};
+use crate::policy::Policy;
+use crate::script::bench::{bench_env, env_scripts};
 use crate::script::{EnvScript, Host, Limits, Role};
+use crate::starpo::bench::{measure as measure_steps, StepArgs, HEADER};
+use crate::starpo::policy_bench::{comparison, features, measure, BenchConfig, Report};
 
 /// Measure speed.
 #[derive(clap::Args, Debug)]
@@ -24,80 +26,142 @@ pub enum What {
     Envs(EnvsArgs),
     /// A policy's generation tokens/s (batch 1, 8, 32) and training tokens/s (8 x 256), with
     /// ratios against PyTorch from `--compare` (tools/bench_pytorch.py).
-    Policy(crate::policy::bench::PolicyArgs),
+    Policy(PolicyArgs),
     /// Real StarPO steps of an experiment, timed by phase (prefill, decode, env, old log-probs,
     /// forward, backward, optimiser), with tokens computed vs unique and the peak RSS.
-    Step(crate::starpo::bench::StepArgs),
+    Step(StepArgs),
 }
 
 #[derive(clap::Args, Debug)]
 pub struct EnvsArgs {
     /// Env scripts to measure (default: envs/*.rhai).
-    pub scripts: Vec<PathBuf>,
+    pub scripts: Vec<std::path::PathBuf>,
     /// Seconds to spend on each env.
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
 }
 
-/// One env's figures.
-#[derive(Debug)]
-pub struct EnvBench {
-    pub name: String,
-    pub episodes: u64,
-    pub steps: u64,
-    /// Time in reset (+ the first render) vs in step (+ render + valid_actions), seconds.
-    pub reset_s: f64,
-    pub step_s: f64,
+/// `ragen-lab bench policy`: the flags (kept beside the measurement they steer).
+#[derive(clap::Args, Debug)]
+pub struct PolicyArgs {
+    /// The model: a folder, a .gguf file, a preset, a known name or a hub id.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Generation batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// New tokens per generated row (greedy; a row may stop earlier at its stop id).
+    #[arg(long, default_value_t = 64)]
+    pub new_tokens: usize,
+    /// Generation runs per batch size; the fastest counts.
+    #[arg(long, default_value_t = 2)]
+    pub repeats: usize,
+    /// Training batch: sequences per optimiser step (0 skips training).
+    #[arg(long, default_value_t = 8)]
+    pub train_batch: usize,
+    /// Training batch: tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub train_seq: usize,
+    /// Measured training steps, after one warm-up step.
+    #[arg(long, default_value_t = 2)]
+    pub train_steps: usize,
+    /// Sequences per forward/backward pass (gradients accumulate over the batch).
+    #[arg(long, default_value_t = 4)]
+    pub micro_batch: usize,
+    /// Train LoRA adapters of this rank (alpha 32, every projection) instead of every weight.
+    #[arg(long, value_name = "R")]
+    pub lora_rank: Option<usize>,
+    /// Keep only each layer's input in training and recompute layers in backward
+    /// (`optim.checkpoint_layers`).
+    #[arg(long)]
+    pub checkpoint_layers: bool,
+    /// Write this run's figures as JSON (the format tools/bench_pytorch.py writes).
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<std::path::PathBuf>,
+    /// Print ratios against a results JSON from tools/bench_pytorch.py (above 1: we are faster).
+    #[arg(long, value_name = "FILE")]
+    pub compare: Option<std::path::PathBuf>,
 }
 
-/// Plays random episodes of `env` for about `budget`: each step renders and lists the valid
-/// actions too, as a rollout does.
-pub fn bench_env(env: &EnvScript, budget: Duration) -> Result<EnvBench> {
-    let params = env.params_from(&Map::new())?;
-    let info = env.info(&params)?;
-    let mut chooser = Rng::new(7);
-    let (mut episodes, mut steps, mut reset_s, mut step_s) = (0u64, 0u64, 0.0, 0.0);
-    let start = Instant::now();
-    while start.elapsed() < budget {
-        let t = Instant::now();
-        let mut ep = env.reset(episodes, episodes, &params)?;
-        ep.render()?;
-        reset_s += t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let mut valid = ep.valid_actions()?;
-        while !ep.done && ep.steps < info.max_actions.max(1) {
-            let a = if valid.is_empty() {
-                "0".to_string()
-            } else {
-                valid[chooser.below(valid.len() as u64) as usize].clone()
-            };
-            ep.step(&a)?;
-            ep.render()?;
-            valid = ep.valid_actions()?;
-            steps += 1;
+/// Runs `ragen-lab bench policy`.
+fn run_policy(args: PolicyArgs) -> Result<()> {
+    // Read the comparison first: a wrong path should not cost a whole benchmark.
+    let theirs: Option<Report> = match &args.compare {
+        Some(path) => {
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("reading --compare {}", path.display()))?;
+            Some(serde_json::from_str(&text).with_context(|| {
+                format!("--compare {}: not a results JSON from tools/bench_pytorch.py", path.display())
+            })?)
         }
-        step_s += t.elapsed().as_secs_f64();
-        episodes += 1;
+        None => None,
+    };
+    let mut policy = Policy::load(&args.model, &crate::policy::device()?)?;
+    policy.model.checkpoint_layers = args.checkpoint_layers;
+    let mut how = String::new();
+    if args.checkpoint_layers {
+        how += ", layer checkpoints";
     }
-    Ok(EnvBench { name: env.name().to_string(), episodes, steps, reset_s, step_s })
+    if let Some(rank) = args.lora_rank {
+        attach(&mut policy.model, &LoraConfig::new(rank, 32.0, "all-linear", 0.0)?, 0)?;
+        how += &format!(", LoRA rank {rank}");
+    }
+    println!("{}: {} threads, {}{how}", policy.source, rayon::current_num_threads(), features());
+    let cfg = BenchConfig {
+        batches: args.batches,
+        new_tokens: args.new_tokens,
+        repeats: args.repeats,
+        train_batch: args.train_batch,
+        train_seq: args.train_seq,
+        train_steps: args.train_steps,
+        micro_batch: args.micro_batch,
+        seed: 0,
+    };
+    let ours = measure(&policy, &args.model, &cfg)?;
+    if let Some(reply) = &ours.greedy_reply {
+        println!("greedy reply (batch row 0): {reply:?}");
+    }
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&ours)? + "\n")
+            .with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    if let Some(theirs) = theirs {
+        println!("\n{}", comparison(&ours, &theirs));
+    }
+    Ok(())
 }
 
-fn env_scripts(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| anyhow::anyhow!("cannot list {}: {e}; name the env scripts to measure", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "rhai"))
-        .collect();
-    out.sort();
-    Ok(out)
+/// `ragen-lab bench step`: measure, print the table, write the JSON.
+fn run_step(args: StepArgs) -> Result<()> {
+    let report = measure_steps(&args)?;
+    println!(
+        "{}: {} steps, {} threads (seconds; tokens = model positions)",
+        args.env.display(),
+        args.steps,
+        report.threads
+    );
+    println!("{HEADER}");
+    for (i, s) in report.steps.iter().enumerate() {
+        println!("{}", s.row(&(i + 1).to_string()));
+    }
+    println!("{}", report.median.row("median"));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> Result<()> {
     match args.what {
-        What::Policy(a) => crate::policy::bench::run_cli(a),
-        What::Step(a) => crate::starpo::bench::run_cli(a),
+        What::Policy(a) => run_policy(a),
+        What::Step(a) => run_step(a),
         What::Envs(a) => {
-            let scripts = if a.scripts.is_empty() { env_scripts(Path::new("envs"))? } else { a.scripts };
+            let scripts = if a.scripts.is_empty() {
+                env_scripts(Path::new("envs")).map_err(anyhow::Error::msg)?
+            } else {
+                a.scripts
+            };
             if scripts.is_empty() {
                 bail!("no env scripts found in envs/; name them: ragen-lab bench envs envs/x.rhai");
             }

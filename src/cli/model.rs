@@ -5,10 +5,9 @@
 use std::io::Write;
 
 use anyhow::{anyhow, Context, Result};
-use candle_core::Device;
 use serde_json::json;
 
-use crate::policy::{lora, GenerationConfig, Message, Policy, TokenBatch};
+use crate::policy::{device, lora, GenerationConfig, Message, Policy, TokenBatch};
 use crate::rng::Rng;
 
 #[derive(clap::Subcommand, Debug)]
@@ -80,23 +79,18 @@ pub enum Command {
     },
 }
 
-/// CUDA device 0 when built with `cuda` and one is present, else the CPU.
-pub fn device() -> Device {
-    Device::cuda_if_available(0).unwrap_or(Device::Cpu)
-}
-
 pub fn run(cmd: Command) -> Result<()> {
     match cmd {
-        Command::Info { model } => info(&Policy::load(&model, &device())?),
+        Command::Info { model } => info(&Policy::load(&model, &device()?)?),
         Command::Merge { adapter, out, base, gguf } => merge(&adapter, &out, base, gguf),
         Command::Chat { model, prompt, system, max_tokens, temperature, top_p, seed } => {
-            let policy = Policy::load(&model, &device())?;
+            let policy = Policy::load(&model, &device()?)?;
             let mut messages: Vec<Message> = system.map(Message::system).into_iter().collect();
             messages.push(Message::user(prompt));
             let cfg = GenerationConfig { max_new_tokens: max_tokens, temperature, top_p, ..Default::default() };
             chat(&policy, &messages, &cfg, seed)
         }
-        Command::Score { model, text, json } => score(&Policy::load(&model, &device())?, &text, json),
+        Command::Score { model, text, json } => score(&Policy::load(&model, &device()?)?, &text, json),
         Command::Pull { name, from } => crate::policy::resolve::pull_command(&name, from.as_deref()),
     }
 }
@@ -208,7 +202,7 @@ fn merge(adapter: &std::path::Path, out: &std::path::Path, base: Option<String>,
         Some(b) => b,
         None => lora::base_of(&dir)?,
     };
-    let mut policy = Policy::load(&base, &device())?.load_saved(&dir)?;
+    let mut policy = Policy::load(&base, &device()?)?.load_saved(&dir)?;
     lora::merge(&mut policy.model)?;
     policy.save(out)?;
     if gguf {

@@ -2,8 +2,12 @@
 //! `--json`, one JSON object per line (a public contract, tested in tests/script_host.rs):
 //! `{"event":"reset","seed":S,"obs":…,"env":…,"version":…,"actions":[…]}` then per action
 //! `{"event":"step","action":…,"reward":…,"done":…,"success":…,"valid":…,"effective":…,"obs":…}`,
-//! stopping at done. With `--watch`, an edit to the script replays the episode on the new
-//! version; a broken edit prints its `path:line:col` and play goes on with the old one.
+//! stopping at done. Each typed line (or `--actions` item) is one turn's answer, played through
+//! the rollout's own code (`script::turn`): pieces split on `||`, matched case-insensitively to
+//! the env's action names, unknown ones dropped, at most `max_actions_per_turn` per turn and
+//! `max_actions` per episode (the episode is done when they are spent). With `--watch`, an edit
+//! to the script replays the episode on the new version; a broken edit, or one that fails during
+//! the replay or a later action, prints its `path:line:col` and play goes on with the old one.
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::sync::mpsc::{channel, RecvTimeoutError};
@@ -12,7 +16,11 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde_json::{json, Map, Value};
 
-use crate::script::{parse_assignment, EnvScript, Experiment, Host, Limits, Loaded, Role, Update, WatchMode, Watcher};
+use super::check::turn_settings;
+use crate::script::turn::{apply_turn, TurnLimits, TurnSettings};
+use crate::script::{
+    parse_assignment, EnvInfo, EnvScript, Episode, Experiment, Host, Limits, Loaded, Role, Update, WatchMode, Watcher,
+};
 
 /// Play an environment script: shows the observation and asks for an action (type `?` for the
 /// valid actions, an empty line to quit), or plays `--actions` in order.
@@ -30,7 +38,8 @@ pub struct Args {
     /// Override an env parameter (repeatable), e.g. --param size=8 --param names=A,B.
     #[arg(long = "param", value_name = "KEY=VALUE")]
     pub params: Vec<String>,
-    /// Comma-separated actions to play in order instead of asking, e.g. "Up,Up,Left".
+    /// Comma-separated answers to play in order instead of asking, one turn each, e.g.
+    /// "Up,Up,Left" or "Up || Up,Left".
     #[arg(long, value_name = "A,B,…")]
     pub actions: Option<String>,
     /// Print one JSON object per line (reset, then one per step).
@@ -47,6 +56,8 @@ pub struct Args {
 struct Game {
     env: EnvScript,
     params: Map<String, Value>,
+    /// An experiment's rollout settings (the training defaults for a bare env).
+    settings: TurnSettings,
     json: bool,
 }
 
@@ -61,8 +72,15 @@ impl Game {
         let _ = std::io::stdout().flush();
     }
 
-    /// Resets and plays `actions`; returns the episode and whether it finished.
-    fn replay(&self, seed: u64, stream: u64, actions: &[String]) -> Result<(crate::script::Episode, bool)> {
+    /// The env's description and the limits turns are played under, for the current version.
+    fn rules(&self) -> Result<(EnvInfo, TurnLimits)> {
+        let info = self.env.info(&self.params)?;
+        let limits = TurnLimits::resolve(&info, self.settings.max_actions, self.settings.max_actions_per_turn);
+        Ok((info, limits))
+    }
+
+    /// Resets and plays `turns`; returns the episode and whether it finished.
+    fn replay(&self, seed: u64, stream: u64, turns: &[String]) -> Result<(Episode, bool)> {
         let mut ep = self.env.reset(seed, stream, &self.params)?;
         let obs = ep.render()?;
         let valid = ep.valid_actions()?;
@@ -71,38 +89,49 @@ impl Game {
                    "params": self.params, "actions": valid, "obs": obs}),
             format!("{} (version {}), seed {seed}\n{obs}", self.env.name(), self.env.version()),
         );
-        for a in actions {
-            if self.step(&mut ep, a)? {
+        for answer in turns {
+            if self.turn(&mut ep, answer)? {
                 return Ok((ep, true));
             }
         }
         Ok((ep, false))
     }
 
-    /// Plays one action; returns whether the episode is done.
-    fn step(&self, ep: &mut crate::script::Episode, action: &str) -> Result<bool> {
-        let out = ep.step(action)?;
-        let obs = ep.render()?;
-        self.emit(
-            json!({"event": "step", "action": action, "reward": out.reward, "done": out.done, "success": out.success,
-                   "valid": out.valid, "effective": out.effective, "obs": obs}),
-            format!(
-                "> {action}: reward {}{}{}{}\n{obs}",
-                out.reward,
-                if out.valid { "" } else { " (invalid)" },
-                if out.effective || !out.valid { "" } else { " (no effect)" },
-                if out.done {
-                    if out.success {
-                        ", done: success"
-                    } else {
-                        ", done"
-                    }
-                } else {
-                    ""
-                },
-            ),
-        );
-        Ok(out.done)
+    /// Plays one turn's answer (`a || b`) as the rollout would; returns whether the episode is
+    /// done (the env said so, or its action budget is spent).
+    fn turn(&self, ep: &mut Episode, answer: &str) -> Result<bool> {
+        let (info, limits) = self.rules()?;
+        // The typed line is the answer alone: parse it as a no-think response.
+        let parsed = limits.parse(&format!("<answer>{answer}</answer>"), &info, false);
+        for piece in &parsed.invalid_actions {
+            eprintln!("dropped {piece:?}: not an action of this env ({})", info.actions.join(", "));
+        }
+        let applied = apply_turn(ep, &parsed, limits.max_actions, |ep, action, out| {
+            let obs = ep.render()?;
+            let done = out.done || ep.steps >= limits.max_actions;
+            self.emit(
+                json!({"event": "step", "action": action, "reward": out.reward, "done": done, "success": out.success,
+                       "valid": out.valid, "effective": out.effective, "obs": obs}),
+                format!(
+                    "> {action}: reward {}{}{}{}\n{obs}",
+                    out.reward,
+                    if out.valid { "" } else { " (invalid)" },
+                    if out.effective || !out.valid { "" } else { " (no effect)" },
+                    match (done, out.success) {
+                        (true, true) => ", done: success".to_string(),
+                        (true, false) if !out.done =>
+                            format!(", done: the {} actions of the episode are spent", limits.max_actions),
+                        (true, false) => ", done".to_string(),
+                        _ => String::new(),
+                    },
+                ),
+            );
+            Ok(())
+        })?;
+        if !applied.dropped.is_empty() {
+            eprintln!("dropped {}: the episode is over", applied.dropped.join(", "));
+        }
+        Ok(applied.done)
     }
 }
 
@@ -112,17 +141,18 @@ pub fn run(args: Args) -> Result<()> {
     for p in &args.params {
         overrides.push(parse_assignment(p).map_err(anyhow::Error::msg)?);
     }
-    let (env_path, base) = match Role::detect(&host, &args.env)? {
+    let (env_path, base, settings) = match Role::detect(&host, &args.env)? {
         Role::Experiment => {
             let x = Experiment::load(&host, &args.env)?;
-            (x.env.clone(), x.params.clone())
+            let settings = turn_settings(&x).map_err(anyhow::Error::msg)?;
+            (x.env.clone(), x.params.clone(), settings)
         }
-        _ => (args.env.clone(), Map::new()),
+        _ => (args.env.clone(), Map::new(), TurnSettings::default()),
     };
     let env = EnvScript::load(&host, &env_path)?;
     let defaults = env.params_from(&base)?;
     let params = crate::script::params::apply(env.name(), &defaults, &overrides).map_err(anyhow::Error::msg)?;
-    let mut game = Game { env, params, json: args.json };
+    let mut game = Game { env, params, settings, json: args.json };
     let scripted: Vec<String> = args
         .actions
         .as_deref()
@@ -158,7 +188,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     let prompt = |done: bool| {
         if interactive && !args.json {
-            eprint!("{}", if done { "(done; edit the script to replay, empty line quits) " } else { "action> " });
+            let over = if args.watch {
+                "(done; edit the script to replay, empty line quits) "
+            } else {
+                "(done; empty line quits) "
+            };
+            eprint!("{}", if done { over } else { "action> " });
         }
     };
     prompt(done);
@@ -168,8 +203,16 @@ pub fn run(args: Args) -> Result<()> {
                 match u {
                     Update::Swapped { loaded: Loaded::Env(env), .. } => {
                         eprintln!("reloaded {} (version {})", env.name(), env.version());
-                        game.env = env;
-                        (ep, done) = game.replay(args.seed, args.stream, &played)?;
+                        let old = std::mem::replace(&mut game.env, env);
+                        match game.replay(args.seed, args.stream, &played) {
+                            Ok(replayed) => (ep, done) = replayed,
+                            Err(e) => {
+                                // A version that compiles may still fail on this episode: say
+                                // where, and go on with the one that worked.
+                                eprintln!("the new version failed replaying the episode, keeping the old one:\n{e:#}");
+                                game.env = old;
+                            }
+                        }
                         prompt(done);
                     }
                     Update::Rejected { error, .. } => eprintln!("reload rejected, keeping the old version:\n{error}"),
@@ -195,8 +238,15 @@ pub fn run(args: Args) -> Result<()> {
         } else if done {
             eprintln!("the episode is over");
         } else {
+            // Kept even when it fails, so that a fixed version replays it.
             played.push(action.to_string());
-            done = game.step(&mut ep, action).with_context(|| format!("playing {action:?}"))?;
+            match game.turn(&mut ep, action).with_context(|| format!("playing {action:?}")) {
+                Ok(d) => done = d,
+                // Under --watch, a failing action is the script's bug: report it, keep playing,
+                // and let the fixed version replay the episode.
+                Err(e) if watcher.is_some() => eprintln!("{e:#}"),
+                Err(e) => return Err(e),
+            }
         }
         prompt(done);
     }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::starpo::rundir::RunDir;
 use crate::starpo::settings::{Algo, Preset};
-use crate::starpo::trainer::{train, Options};
+use crate::starpo::trainer::{refuse_on_resume, train, Options};
 
 /// Train a policy on an experiment script with StarPO-S (default) or StarPO.
 ///
@@ -22,10 +22,12 @@ pub struct Args {
     /// Optional with --resume (the run remembers it).
     #[arg(long, value_name = "SCRIPT")]
     pub env: Option<PathBuf>,
-    /// Settings preset: starpo-s (filtering, clip-higher, no KL) or starpo (vanilla PPO + KL).
-    #[arg(long, value_enum, default_value = "starpo-s")]
-    pub preset: Preset,
+    /// Settings preset: starpo-s (filtering, clip-higher, no KL; the default) or starpo (vanilla
+    /// PPO + KL). Not with --resume (the run keeps its settings).
+    #[arg(long, value_enum)]
+    pub preset: Option<Preset>,
     /// Advantage estimator family: ppo (GAE with a critic) or grpo (group-normalised, no critic).
+    /// With --resume, only the family the run already uses.
     #[arg(long, value_enum)]
     pub algo: Option<Algo>,
     /// Override a setting, e.g. `--set optim.lr=1e-5 --set rollout.env_groups=8` (repeatable;
@@ -89,6 +91,8 @@ pub fn run(args: Args) -> Result<()> {
                     saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?,
                 ),
             };
+            refuse_on_resume(&saved, args.preset, args.algo, args.model.as_deref())
+                .with_context(|| format!("resuming {}", dir.display()))?;
             let model = saved["model"].as_str().map(String::from).or(args.model.clone());
             (exp, model, dir, true)
         }
@@ -122,7 +126,7 @@ pub fn run(args: Args) -> Result<()> {
     let summary = train(Options {
         experiment,
         model,
-        preset: args.preset,
+        preset: args.preset.unwrap_or(Preset::StarpoS),
         algo: args.algo,
         sets: args.sets,
         steps: args.steps,

@@ -14,10 +14,15 @@ pub struct Args {
     /// Where to write the page [default: RUN/view/index.html].
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
-    /// Serve the run on http://127.0.0.1:PORT (loopback only; 0 = any free port). The page is
-    /// rebuilt on every load, so reloading follows a run that is still training.
+    /// Serve the run on http://127.0.0.1:PORT (0 = any free port). The page is rebuilt on every
+    /// load, so reloading follows a run that is still training. Requests must name the server
+    /// as localhost or by IP address (Host header), which shuts out DNS-rebinding pages.
     #[arg(long, value_name = "PORT")]
     pub serve: Option<u16>,
+    /// With --serve: the address to listen on, e.g. 0.0.0.0 to let other machines in (anyone who
+    /// can reach it can read the run).
+    #[arg(long, value_name = "IP", default_value = "127.0.0.1", requires = "serve")]
+    pub bind: std::net::IpAddr,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -27,7 +32,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("wrote {} (TensorBoard, from metrics.jsonl)", p.display());
     }
     if let Some(port) = args.serve {
-        view::serve::serve(&args.run, port, |addr| {
+        view::serve::serve(&args.run, args.bind, port, |addr| {
             println!("serving {} on http://{addr}/ (ctrl-c to stop)", args.run.display());
         })?;
     }

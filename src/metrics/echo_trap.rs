@@ -13,6 +13,8 @@
 //! This file does no I/O: writing alarms to `events.jsonl` and the metrics line is the caller's.
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+
+use super::keys::Key;
 use std::collections::{HashSet, VecDeque};
 
 settings_section! {
@@ -380,9 +382,9 @@ fn above(x: f64, limit: f64, message: impl FnOnce() -> String) -> Finding {
 /// Template collapse from the `echo/` keys of [`MutualInfo::to_metrics`]: MI near zero and
 /// retrieval accuracy near chance (reasoning no longer depends on the input).
 fn template_collapse(s: &EchoSettings, m: &Map<String, Value>) -> Option<Finding> {
-    let mi = num(m, "echo/mi_estimate")?;
-    let acc = num(m, "echo/retrieval_accuracy")?;
-    let n = num(m, "echo/mi_samples")?;
+    let mi = num(m, Key::MiEstimate)?;
+    let acc = num(m, Key::RetrievalAccuracy)?;
+    let n = num(m, Key::MiSamples)?;
     if n < 2.0 {
         return None;
     }
@@ -405,19 +407,23 @@ fn template_collapse(s: &EchoSettings, m: &Map<String, Value>) -> Option<Finding
     })
 }
 
-fn num(m: &Map<String, Value>, key: &str) -> Option<f64> {
-    m.get(key).and_then(Value::as_f64).filter(|x| x.is_finite())
+fn num(m: &Map<String, Value>, key: Key) -> Option<f64> {
+    key.get(m)
 }
 
-/// The metric keys each detector reads (the contract's `rollout/`, `update/`, `echo/` names).
-pub mod keys {
-    pub const IN_GROUP_STD: &str = "rollout/in_group_std";
-    pub const REWARD_MEAN: &str = "rollout/reward_mean";
-    pub const GRAD_NORM: &str = "update/grad_norm";
-    pub const ENTROPY: &str = "update/entropy";
-    pub const THINK_LEN: &str = "rollout/think_len";
-    pub const REPETITION: &str = "rollout/repetition";
-}
+/// The metric keys the detectors read: variance cliff, gradient spike, entropy low and high,
+/// think collapse, repetition, and the template-collapse probe's.
+pub const ALARM_KEYS: &[Key] = &[
+    Key::InGroupStd,
+    Key::RewardMean,
+    Key::GradNorm,
+    Key::Entropy,
+    Key::ThinkLen,
+    Key::Repetition,
+    Key::MiEstimate,
+    Key::RetrievalAccuracy,
+    Key::MiSamples,
+];
 
 /// Runs every detector over the trainer's per-step metrics and announces each alarm once.
 #[derive(Clone, Debug)]
@@ -484,29 +490,29 @@ impl EchoTrapMonitor {
             self.seen[i] += 1;
             self.seen[i] > warm
         };
-        if let (Some(std), Some(mean)) = (num(m, keys::IN_GROUP_STD), num(m, keys::REWARD_MEAN)) {
+        if let (Some(std), Some(mean)) = (num(m, Key::InGroupStd), num(m, Key::RewardMean)) {
             let armed = tick(0);
             let f = self.cliff.0.check(step, std, mean);
             emit(&mut self.cliff.1, AlarmKind::VarianceCliff, f, armed);
         }
-        if let Some(g) = num(m, keys::GRAD_NORM) {
+        if let Some(g) = num(m, Key::GradNorm) {
             let armed = tick(1);
             let f = self.spike.0.check(g, "gradient norm");
             emit(&mut self.spike.1, AlarmKind::GradNormSpike, f, armed);
         }
-        if let Some(h) = num(m, keys::ENTROPY) {
+        if let Some(h) = num(m, Key::Entropy) {
             let armed = tick(2);
             let f = self.entropy_low.0.check(h, "token entropy");
             emit(&mut self.entropy_low.1, AlarmKind::EntropyCollapse, f, armed);
             let f = self.entropy_high.0.check(h, "token entropy");
             emit(&mut self.entropy_high.1, AlarmKind::EntropyRise, f, armed);
         }
-        if let Some(t) = num(m, keys::THINK_LEN) {
+        if let Some(t) = num(m, Key::ThinkLen) {
             let armed = tick(3);
             let f = self.think.0.check(t, "think length (tokens per turn)");
             emit(&mut self.think.1, AlarmKind::VanishingReasoning, f, armed);
         }
-        if let Some(r) = num(m, keys::REPETITION) {
+        if let Some(r) = num(m, Key::Repetition) {
             let armed = tick(4);
             let limit = self.settings.repetition_max;
             let f = above(r, limit, || {
@@ -579,16 +585,13 @@ impl MutualInfo {
     /// The `echo/` keys for the step's metrics line (what the monitor and the viewer read).
     pub fn to_metrics(&self) -> Map<String, Value> {
         let mut m = Map::new();
-        let mut put = |k: &str, v: f64| {
-            m.insert(format!("echo/{k}"), serde_json::json!(v));
-        };
-        put("mi_estimate", self.mi);
-        put("mi_upper_bound", self.upper_bound);
-        put("conditional_entropy", self.conditional_entropy);
-        put("marginal_entropy", self.marginal_entropy);
-        put("retrieval_accuracy", self.retrieval_accuracy);
-        put("retrieval_chance", self.chance);
-        put("mi_samples", self.n as f64);
+        Key::MiEstimate.put(&mut m, self.mi);
+        Key::MiUpperBound.put(&mut m, self.upper_bound);
+        Key::ConditionalEntropy.put(&mut m, self.conditional_entropy);
+        Key::MarginalEntropy.put(&mut m, self.marginal_entropy);
+        Key::RetrievalAccuracy.put(&mut m, self.retrieval_accuracy);
+        Key::RetrievalChance.put(&mut m, self.chance);
+        Key::MiSamples.put(&mut m, self.n as f64);
         m
     }
 }
@@ -650,10 +653,10 @@ mod tests {
     use crate::rng::Rng;
 
     /// One recorded run: a metrics line per step from per-key generators.
-    fn series(steps: u64, f: impl Fn(u64, &mut Rng) -> Vec<(&'static str, f64)>) -> Vec<Map<String, Value>> {
+    fn series(steps: u64, f: impl Fn(u64, &mut Rng) -> Vec<(Key, f64)>) -> Vec<Map<String, Value>> {
         let mut rng = Rng::new(7);
         (1..=steps)
-            .map(|s| f(s, &mut rng).into_iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect())
+            .map(|s| f(s, &mut rng).into_iter().map(|(k, v)| (k.name().to_string(), serde_json::json!(v))).collect())
             .collect()
     }
 
@@ -667,22 +670,18 @@ mod tests {
 
     /// A run that learns: mean reward climbs, in-group std stays, entropy decays gently, think
     /// length and grad norm wobble, responses mostly distinct, reasoning depends on the prompt.
-    fn healthy(s: u64, r: &mut Rng) -> Vec<(&'static str, f64)> {
+    fn healthy(s: u64, r: &mut Rng) -> Vec<(Key, f64)> {
         let t = s as f64;
         let mut v = vec![
-            (keys::REWARD_MEAN, 0.2 + 0.004 * t + jitter(r, 0.03)),
-            (keys::IN_GROUP_STD, 0.30 + jitter(r, 0.05)),
-            (keys::GRAD_NORM, 1.0 + jitter(r, 0.4)),
-            (keys::ENTROPY, 1.5 - 0.004 * t + jitter(r, 0.05)),
-            (keys::THINK_LEN, 40.0 - 0.05 * t + jitter(r, 6.0)),
-            (keys::REPETITION, 0.1 + jitter(r, 0.08)),
+            (Key::RewardMean, 0.2 + 0.004 * t + jitter(r, 0.03)),
+            (Key::InGroupStd, 0.30 + jitter(r, 0.05)),
+            (Key::GradNorm, 1.0 + jitter(r, 0.4)),
+            (Key::Entropy, 1.5 - 0.004 * t + jitter(r, 0.05)),
+            (Key::ThinkLen, 40.0 - 0.05 * t + jitter(r, 6.0)),
+            (Key::Repetition, 0.1 + jitter(r, 0.08)),
         ];
         if s.is_multiple_of(5) {
-            v.extend([
-                ("echo/mi_estimate", 1.6 + jitter(r, 0.2)),
-                ("echo/retrieval_accuracy", 0.7),
-                ("echo/mi_samples", 8.0),
-            ]);
+            v.extend([(Key::MiEstimate, 1.6 + jitter(r, 0.2)), (Key::RetrievalAccuracy, 0.7), (Key::MiSamples, 8.0)]);
         }
         v
     }
@@ -695,24 +694,23 @@ mod tests {
 
     /// RAGEN Fig. 6, FrozenLake-PPO shape: std falls off a cliff at step 40 while the mean holds
     /// until 90; the grad norm spikes at 90; entropy collapses from 100; thinking shrinks from 60.
-    fn collapsing(s: u64, r: &mut Rng) -> Vec<(&'static str, f64)> {
+    fn collapsing(s: u64, r: &mut Rng) -> Vec<(Key, f64)> {
         let mut v = healthy(s, r);
-        let set =
-            |v: &mut Vec<(&'static str, f64)>, k: &str, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
+        let set = |v: &mut Vec<(Key, f64)>, k: Key, x: f64| v.iter_mut().find(|(n, _)| *n == k).unwrap().1 = x;
         if s >= 40 {
-            set(&mut v, keys::IN_GROUP_STD, 0.04 + jitter(r, 0.01));
+            set(&mut v, Key::InGroupStd, 0.04 + jitter(r, 0.01));
         }
         if s >= 90 {
-            set(&mut v, keys::REWARD_MEAN, 0.1 + jitter(r, 0.02));
+            set(&mut v, Key::RewardMean, 0.1 + jitter(r, 0.02));
         }
         if s == 90 {
-            set(&mut v, keys::GRAD_NORM, 9.0);
+            set(&mut v, Key::GradNorm, 9.0);
         }
         if s >= 100 {
-            set(&mut v, keys::ENTROPY, 0.05 + jitter(r, 0.01));
+            set(&mut v, Key::Entropy, 0.05 + jitter(r, 0.01));
         }
         if s >= 60 {
-            set(&mut v, keys::THINK_LEN, 2.0 + jitter(r, 1.0));
+            set(&mut v, Key::ThinkLen, 2.0 + jitter(r, 1.0));
         }
         v
     }
@@ -784,7 +782,7 @@ mod tests {
     #[test]
     fn nothing_fires_during_warmup() {
         // warmup_steps = 5: the 5th observation may not fire, the 6th may.
-        let spike_at = |k: u64| series(6, move |s, _| vec![(keys::GRAD_NORM, if s == k { 50.0 } else { 1.0 })]);
+        let spike_at = |k: u64| series(6, move |s, _| vec![(Key::GradNorm, if s == k { 50.0 } else { 1.0 })]);
         assert!(run(&spike_at(5)).is_empty());
         assert_eq!(run(&spike_at(6)).len(), 1);
     }

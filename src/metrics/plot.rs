@@ -5,6 +5,7 @@
 //! Drawing is plotters on its SVG backend and an RGB bitmap that [`super::png`] encodes. Text
 //! uses DejaVu Sans (subset to Latin-1 and a few symbols, licence in `fonts/LICENSE-DejaVu`),
 //! embedded so a plot looks the same on every machine and needs no system fonts.
+use super::keys::Key;
 use super::run::{series, Run};
 use anyhow::{anyhow, Result};
 use plotters::coord::Shift;
@@ -27,12 +28,12 @@ fn register_font() {
 /// One series on a panel: a metric key, its legend label, and optionally a ± band key.
 #[derive(Clone, Copy, Debug)]
 pub struct Line {
-    pub key: &'static str,
+    pub key: Key,
     pub label: &'static str,
-    pub band: Option<&'static str>,
+    pub band: Option<Key>,
 }
 
-const fn line(key: &'static str, label: &'static str) -> Line {
+const fn line(key: Key, label: &'static str) -> Line {
     Line { key, label, band: None }
 }
 
@@ -51,53 +52,48 @@ pub const PANELS: &[Panel] = &[
         file: "reward",
         title: "Reward (mean ± std over the batch)",
         y: "reward",
-        lines: &[Line { key: "rollout/reward_mean", label: "reward", band: Some("rollout/reward_std") }],
+        lines: &[Line { key: Key::RewardMean, label: "reward", band: Some(Key::RewardStd) }],
     },
     Panel {
         file: "success",
         title: "Success rate",
         y: "success",
         lines: &[
-            line("rollout/success", "train"),
-            line("val/success", "validation"),
-            line("val_heldout/success", "held-out"),
+            line(Key::Success, "train"),
+            line(Key::ValSuccess, "validation"),
+            line(Key::HeldoutSuccess, "held-out"),
         ],
     },
     Panel {
         file: "in_group_std",
         title: "In-group reward std (Echo-Trap early warning)",
         y: "std",
-        lines: &[line("rollout/in_group_std", "all groups"), line("rollout/in_group_std_kept", "kept groups")],
+        lines: &[line(Key::InGroupStd, "all groups"), line(Key::InGroupStdKept, "kept groups")],
     },
-    Panel { file: "entropy", title: "Token entropy", y: "nats", lines: &[line("update/entropy", "entropy")] },
-    Panel { file: "grad_norm", title: "Gradient norm", y: "norm", lines: &[line("update/grad_norm", "grad norm")] },
+    Panel { file: "entropy", title: "Token entropy", y: "nats", lines: &[line(Key::Entropy, "entropy")] },
+    Panel { file: "grad_norm", title: "Gradient norm", y: "norm", lines: &[line(Key::GradNorm, "grad norm")] },
     Panel {
         file: "length",
         title: "Response and think length",
         y: "tokens per turn",
-        lines: &[line("rollout/response_len", "response"), line("rollout/think_len", "think")],
+        lines: &[line(Key::ResponseLen, "response"), line(Key::ThinkLen, "think")],
     },
     Panel {
         file: "kl",
         title: "KL to the reference",
         y: "KL",
-        lines: &[line("update/kl", "kl"), line("update/approx_kl", "approx kl (old policy)")],
+        lines: &[line(Key::Kl, "kl"), line(Key::ApproxKl, "approx kl (old policy)")],
     },
-    Panel {
-        file: "clip_frac",
-        title: "Clip fraction",
-        y: "fraction",
-        lines: &[line("update/clip_frac", "clip fraction")],
-    },
+    Panel { file: "clip_frac", title: "Clip fraction", y: "fraction", lines: &[line(Key::ClipFrac, "clip fraction")] },
     Panel {
         file: "mutual_info",
         title: "Template collapse: MI(prompt; reasoning)",
         y: "nats / accuracy",
         lines: &[
-            line("echo/mi_estimate", "MI estimate"),
-            line("echo/mi_upper_bound", "bound ln N"),
-            line("echo/retrieval_accuracy", "retrieval accuracy"),
-            line("echo/retrieval_chance", "chance 1/N"),
+            line(Key::MiEstimate, "MI estimate"),
+            line(Key::MiUpperBound, "bound ln N"),
+            line(Key::RetrievalAccuracy, "retrieval accuracy"),
+            line(Key::RetrievalChance, "chance 1/N"),
         ],
     },
 ];
@@ -122,7 +118,22 @@ fn err(e: impl std::fmt::Display) -> anyhow::Error {
 
 /// Whether any run has any of the panel's keys.
 fn has_data(panel: &Panel, runs: &[Run]) -> bool {
-    runs.iter().any(|r| panel.lines.iter().any(|l| !series(&r.metrics, l.key).is_empty()))
+    runs.iter().any(|r| panel.lines.iter().any(|l| !series(&r.metrics, l.key.name()).is_empty()))
+}
+
+/// Tick labels on the step axis: at most 8, and no more than there are whole steps in the
+/// window, so a two-step run does not get eight ticks all labelled "1".
+fn x_label_count(x0: f64, x1: f64) -> usize {
+    ((x1 - x0).round() as usize + 1).clamp(2, 8)
+}
+
+/// A step-axis tick's label: whole steps only (a tick between two steps stays unlabelled).
+fn step_label(x: f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{x:.0}")
+    } else {
+        String::new()
+    }
 }
 
 /// Draws one panel on an area (any backend).
@@ -130,13 +141,13 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
     let mut data = vec![]; // (run index, line index, points, band)
     for (ri, run) in runs.iter().enumerate() {
         for (li, l) in panel.lines.iter().enumerate() {
-            let pts = series(&run.metrics, l.key);
+            let pts = series(&run.metrics, l.key.name());
             if pts.is_empty() {
                 continue;
             }
             let band: Vec<(u64, f64, f64)> = match l.band {
                 Some(b) => {
-                    let sd = series(&run.metrics, b);
+                    let sd = series(&run.metrics, b.name());
                     pts.iter()
                         .filter_map(|&(s, m)| sd.iter().find(|p| p.0 == s).map(|&(_, d)| (s, m - d, m + d)))
                         .collect()
@@ -173,9 +184,9 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
         .configure_mesh()
         .x_desc("step")
         .y_desc(panel.y)
-        .x_labels(8)
+        .x_labels(x_label_count(x0, x1))
         .y_labels(6)
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&|x| step_label(*x))
         .y_label_formatter(&y_label)
         .label_style(("sans-serif", font))
         .axis_desc_style(("sans-serif", font))
@@ -320,4 +331,28 @@ pub fn plot_runs(runs: &[Run], out: &Path) -> Result<(Vec<PathBuf>, Vec<&'static
     let size = (cols as u32 * 620, rows as u32 * 380);
     files.extend(render(out, "overview", size, &Figure::Overview(&shown, (rows, cols)), runs)?);
     Ok((files, skipped.iter().map(|p| p.file).collect()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use plotters::coord::ranged1d::Ranged;
+    use plotters::coord::types::RangedCoordf64;
+
+    /// The labels plotters would print on the step axis of a run of `steps` steps.
+    fn step_axis(steps: u64) -> Vec<String> {
+        let (x0, x1) = (1.0, if steps > 1 { steps as f64 } else { 2.0 });
+        let axis: RangedCoordf64 = (x0..x1).into();
+        axis.key_points(x_label_count(x0, x1)).into_iter().map(step_label).filter(|l| !l.is_empty()).collect()
+    }
+
+    #[test]
+    fn short_runs_get_each_step_label_once() {
+        for steps in [1, 2, 3, 5, 12, 200] {
+            let labels = step_axis(steps);
+            let unique: std::collections::HashSet<_> = labels.iter().collect();
+            assert_eq!(unique.len(), labels.len(), "{steps} steps: {labels:?}");
+            assert!(!labels.is_empty() && labels.len() <= 8, "{steps} steps: {labels:?}");
+        }
+    }
 }

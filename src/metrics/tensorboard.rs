@@ -115,12 +115,6 @@ impl TbWriter {
         write_record(&mut self.out, data).with_context(|| format!("writing {}", self.path.display()))
     }
 
-    /// One scalar at one step (wall time = now).
-    pub fn scalar(&mut self, tag: &str, step: u64, value: f64) -> Result<()> {
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        self.record(&encode_event(now.as_secs_f64(), step as i64, None, &[(tag, value as f32)]))
-    }
-
     /// Every numeric entry of a metrics line (except `step` and `time`) as one event, then flush
     /// so a live TensorBoard sees the step.
     pub fn metrics(&mut self, step: u64, wall_time: f64, line: &Map<String, Value>) -> Result<()> {
@@ -280,7 +274,8 @@ mod tests {
     fn writes_event_files_that_decode_with_valid_crcs() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = TbWriter::new(dir.path().join("tb")).unwrap();
-        w.scalar("rollout/reward_mean", 1, 0.25).unwrap();
+        let first = serde_json::json!({"step": 1, "time": 1_699_999_999.0, "rollout/reward_mean": 0.25});
+        w.metrics(1, 1_699_999_999.0, first.as_object().unwrap()).unwrap();
         let mut line = Map::new();
         line.insert("step".into(), 2.into());
         line.insert("time".into(), serde_json::json!(1_700_000_000.5));

@@ -18,7 +18,6 @@ use candle_core::{Device, Var};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-pub mod bench;
 pub mod chat;
 pub mod config;
 pub mod critic;
@@ -33,6 +32,12 @@ pub mod sample;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, ChatTokens, Message};
+
+/// The device every command loads its policy on: CUDA device 0 when built with `cuda` and one is
+/// present, else the CPU. The one place this is chosen.
+pub fn device() -> Result<Device> {
+    Device::cuda_if_available(0).context("opening CUDA device 0")
+}
 pub use critic::Critic;
 pub use logprob::{Scored, TokenBatch};
 pub use model::Decoder;

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::Path;
 
-use rhai::{EvalAltResult, ParseError, Position};
+use rhai::{EvalAltResult, Position};
 
 use super::sandbox::{STOP_MEMORY, STOP_OPERATIONS, STOP_PANIC, STOP_TIME};
 
@@ -100,10 +100,6 @@ impl ScriptError {
     fn set_pos(&mut self, pos: Position) {
         self.line = pos.line().unwrap_or(0);
         self.col = pos.position().unwrap_or(if self.line > 0 { 1 } else { 0 });
-    }
-
-    pub fn from_parse(path: &str, err: &ParseError) -> Self {
-        Self::at(path, err.position(), format!("syntax error: {}", err.0)).kind(ErrorKind::Syntax)
     }
 
     /// Unwraps Rhai's nested `ErrorInFunctionCall`/`ErrorInModule` layers: the innermost error

@@ -71,3 +71,6 @@ mod watch;
 
 pub use validate::{Loaded, Role};
 pub use watch::{Update, WatchMode, Watcher};
+pub mod bench;
+pub mod check;
+pub mod turn;

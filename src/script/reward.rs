@@ -4,7 +4,7 @@
 
 use super::env::{reward_value, to_dynamic};
 use super::error::{ErrorKind, ScriptError};
-use crate::agent::turn::ParsedTurn;
+use super::turn::ParsedTurn;
 
 script_role! {
     /// One compiled reward-shaping script. Cheap to clone.

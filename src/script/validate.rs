@@ -11,7 +11,7 @@ use super::error::ScriptError;
 use super::experiment::Experiment;
 use super::prompt::{PromptScript, TurnContext};
 use super::reward::RewardScript;
-use crate::agent::turn::parse_turn;
+use super::turn::parse_turn;
 
 /// What a script is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -171,11 +171,6 @@ impl Watcher {
     pub fn wait(&self, timeout: Duration) -> Option<Update> {
         self.rx.recv_timeout(timeout).ok()
     }
-
-    /// Re-reads everything now (e.g. on a user's request), as if a change had been seen.
-    pub fn rescan(&self) {
-        let _ = self.tick.send(());
-    }
 }
 
 impl Drop for Watcher {

@@ -11,6 +11,7 @@ use serde_json::{Map, Value};
 
 use super::settings::{Algo, Preset};
 use super::trainer::{train, Options};
+use crate::metrics::keys::Key;
 use crate::phase::Phase;
 
 /// Time an experiment's training steps by phase.
@@ -47,8 +48,7 @@ macro_rules! step_figures {
 
         impl StepFigures {
             fn from_line(line: &Map<String, Value>) -> Self {
-                let get = |k: &str| line.get(k).and_then(Value::as_f64).unwrap_or(0.0);
-                Self { $($field: get(&$key),)* }
+                Self { $($field: $key.get(line).unwrap_or(0.0),)* }
             }
 
             /// Field-wise median of `steps` (the upper middle for an even count); the peak RSS
@@ -69,22 +69,22 @@ macro_rules! step_figures {
 }
 
 step_figures! {
-    step_s: "time/step_s",
-    rollout_s: "time/rollout_s",
-    prefill_s: format!("time/{}_s", Phase::Prefill.name()),
-    decode_s: format!("time/{}_s", Phase::Decode.name()),
+    step_s: Key::StepS,
+    rollout_s: Key::RolloutS,
+    prefill_s: Key::time(Phase::Prefill),
+    decode_s: Key::time(Phase::Decode),
     /// Env and reward scripts, prompt rendering and tokenising: the rollout less the model.
-    env_s: "time/env_s",
-    update_s: "time/update_s",
-    old_logprobs_s: format!("time/{}_s", Phase::OldLogprobs.name()),
-    forward_s: format!("time/{}_s", Phase::Forward.name()),
-    backward_s: format!("time/{}_s", Phase::Backward.name()),
-    optimizer_s: format!("time/{}_s", Phase::Optimizer.name()),
+    env_s: Key::EnvS,
+    update_s: Key::UpdateS,
+    old_logprobs_s: Key::time(Phase::OldLogprobs),
+    forward_s: Key::time(Phase::Forward),
+    backward_s: Key::time(Phase::Backward),
+    optimizer_s: Key::time(Phase::Optimizer),
     /// Token positions the model computed (rollout and update).
-    tokens_computed: "perf/tokens_computed",
+    tokens_computed: Key::TokensComputed,
     /// Distinct token positions of the step's trajectories (their prefix tree).
-    tokens_unique: "perf/tokens_unique",
-    peak_rss_mb: "perf/peak_rss_mb",
+    tokens_unique: Key::TokensUnique,
+    peak_rss_mb: Key::PeakRssMb,
 }
 
 impl StepFigures {
@@ -92,7 +92,7 @@ impl StepFigures {
         Self { peak_rss_mb, ..self }
     }
 
-    fn row(&self, label: &str) -> String {
+    pub fn row(&self, label: &str) -> String {
         format!(
             "{label:>6} {:>7.2} | {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>6.2} | {:>8.0} {:>8.0} | {:>7.0}",
             self.step_s,
@@ -112,7 +112,7 @@ impl StepFigures {
     }
 }
 
-const HEADER: &str = "  step  step_s | rollout prefill  decode    env |  update  old_lp forward backwrd  optim | computed   unique | rss_MB";
+pub const HEADER: &str = "  step  step_s | rollout prefill  decode    env |  update  old_lp forward backwrd  optim | computed   unique | rss_MB";
 
 /// What `bench step` reports.
 #[derive(Debug, Serialize)]
@@ -153,7 +153,7 @@ pub fn measure(args: &StepArgs) -> Result<StepReport> {
         .context("bench step: the run wrote no metrics")?
         .lines()
         .filter_map(|l| serde_json::from_str::<Map<String, Value>>(l).ok())
-        .filter(|l| l.contains_key("time/step_s"))
+        .filter(|l| l.contains_key(Key::StepS.name()))
         .map(|l| StepFigures::from_line(&l))
         .collect();
     let measured = if steps.len() > 1 { &steps[1..] } else { &steps[..] };
@@ -171,27 +171,6 @@ fn tempfile_dir() -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
-}
-
-/// `ragen-lab bench step`: measure, print the table, write the JSON.
-pub fn run_cli(args: StepArgs) -> Result<()> {
-    let report = measure(&args)?;
-    println!(
-        "{}: {} steps, {} threads (seconds; tokens = model positions)",
-        args.env.display(),
-        args.steps,
-        report.threads
-    );
-    println!("{HEADER}");
-    for (i, s) in report.steps.iter().enumerate() {
-        println!("{}", s.row(&(i + 1).to_string()));
-    }
-    println!("{}", report.median.row("median"));
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("writing --json {}", path.display()))?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

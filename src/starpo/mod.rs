@@ -8,6 +8,7 @@ pub mod filter;
 pub mod loss;
 pub mod normalize;
 pub mod optim;
+pub mod policy_bench;
 pub mod rundir;
 pub mod settings;
 pub mod trainer;

@@ -5,7 +5,7 @@
 //!
 //! What it does not hold: what a checkpoint contains (the trainer hands it a closure that writes
 //! the files) or how metrics are computed.
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -18,8 +18,8 @@ use crate::script::{EnvScript, Experiment, ExperimentScripts, Host, PromptScript
 #[derive(Debug)]
 pub struct RunDir {
     pub path: PathBuf,
-    /// (role, path, hash) already in scripts/index.jsonl.
-    seen: HashSet<(String, String, String)>,
+    /// (role, path) → the hash of the version last recorded in scripts/index.jsonl (the one in use).
+    current: HashMap<(String, String), String>,
 }
 
 pub fn now() -> f64 {
@@ -60,7 +60,7 @@ impl RunDir {
         for sub in ["scripts", "rollouts", "checkpoints"] {
             fs::create_dir_all(path.join(sub)).with_context(|| format!("creating {}", path.join(sub).display()))?;
         }
-        Ok(Self { path: path.to_path_buf(), seen: HashSet::new() })
+        Ok(Self { path: path.to_path_buf(), current: HashMap::new() })
     }
 
     /// An existing run, to resume: lines of metrics.jsonl past `step` (written after the last
@@ -78,14 +78,12 @@ impl RunDir {
                 .collect();
             write_atomic(&metrics, kept.as_bytes())?;
         }
-        let mut seen = HashSet::new();
-        if let Ok(text) = fs::read_to_string(path.join("scripts/index.jsonl")) {
-            for v in text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()) {
-                let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
-                seen.insert((s("role"), s("path"), s("hash")));
-            }
+        let mut current = HashMap::new();
+        for v in read_jsonl(&path.join("scripts/index.jsonl")) {
+            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            current.insert((s("role"), s("path")), s("hash"));
         }
-        Ok(Self { path: path.to_path_buf(), seen })
+        Ok(Self { path: path.to_path_buf(), current })
     }
 
     pub fn write_settings(&self, v: &Value) -> Result<()> {
@@ -99,12 +97,14 @@ impl RunDir {
         serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
     }
 
-    /// Record a script version: the source it was compiled from under scripts/<hash>.rhai (its
-    /// imports, if any, in scripts/<hash>.imports.json) and a line in index.jsonl.
+    /// Record the script version in use from `step`: the source it was compiled from under
+    /// scripts/<hash>.rhai (its imports, if any, in scripts/<hash>.imports.json) and a line in
+    /// index.jsonl whenever the version in use changes, a return to an earlier version included
+    /// (the viewer's "version used from step N" reads these lines).
     pub fn record_script(&mut self, step: u64, role: &str, script: &Script) -> Result<()> {
         let hash = script.version().to_string();
-        let key = (role.to_string(), script.name.clone(), hash.clone());
-        if self.seen.contains(&key) {
+        let key = (role.to_string(), script.name.clone());
+        if self.current.get(&key) == Some(&hash) {
             return Ok(());
         }
         let file = self.path.join("scripts").join(format!("{hash}.rhai"));
@@ -121,7 +121,7 @@ impl RunDir {
             &self.path.join("scripts/index.jsonl"),
             &json!({"step": step, "role": role, "path": script.name, "hash": hash}),
         )?;
-        self.seen.insert(key);
+        self.current.insert(key, hash);
         Ok(())
     }
 
@@ -299,5 +299,27 @@ mod tests {
         RunDir::reopen(dir.path(), 2).unwrap();
         let text = fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
         assert_eq!(text.lines().count(), 2);
+    }
+
+    #[test]
+    fn the_index_records_a_revert_to_an_earlier_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = Host::new(dir.path(), crate::script::Limits::default());
+        let file = dir.path().join("rewards/r.rhai");
+        let v1 = host.compile_source(&file, "fn shape(turn, reward) { reward }\n").unwrap();
+        let v2 = host.compile_source(&file, "fn shape(turn, reward) { reward + 1.0 }\n").unwrap();
+        let mut run = RunDir::create(&dir.path().join("run")).unwrap();
+        for (step, s) in [(1, &v1), (2, &v1), (3, &v2), (5, &v1)] {
+            run.record_script(step, "reward", s).unwrap();
+        }
+        let index = || read_jsonl(&dir.path().join("run/scripts/index.jsonl"));
+        let used: Vec<(u64, String)> =
+            index().iter().map(|l| (l["step"].as_u64().unwrap(), l["hash"].as_str().unwrap().to_string())).collect();
+        let (h1, h2) = (v1.version().to_string(), v2.version().to_string());
+        assert_eq!(used, [(1, h1.clone()), (3, h2), (5, h1)], "step 5 went back to the first version");
+        // A resumed run knows which version is in use: the same one is not recorded again.
+        let mut again = RunDir::reopen(&dir.path().join("run"), 5).unwrap();
+        again.record_script(6, "reward", &v1).unwrap();
+        assert_eq!(index().len(), 3);
     }
 }

@@ -1,11 +1,15 @@
-//! Every training setting, declared once: a `Settings` tree of five sections (`rollout`,
-//! `starpo`, `optim`, `train`, and `echo`, the Echo-Trap thresholds declared in `metrics`), each field with its `///` doc, its default (in `Default`, nowhere
-//! else) and its serde name. The dotted key of a field is `section.field` (`starpo.clip_high`).
+//! Every training setting, declared once: a `Settings` tree of six sections, each declared by
+//! the module that uses it (`rollout` in `agent::rollout`, `echo` (the Echo-Trap thresholds) in
+//! `metrics::echo_trap`; `starpo`, `optim`, `train` and `lora` here), each field with its `///`
+//! doc, its default (in `Default`, nowhere else) and its serde name. The dotted key of a field is
+//! `section.field` (`starpo.clip_high`).
 //!
-//! Resolution order: preset (`starpo` or `starpo-s`, diffs from the defaults) → `--algo` →
-//! the experiment script's `settings` map → `--set key=value` flags → [`Settings::validate`].
-//! Errors name their source and the nearest known key. `ragen-lab settings` prints
-//! [`Settings::describe`], read from the same declarations.
+//! Resolution order ([`crate::starpo::trainer::resolve_settings`]): preset (`starpo` or
+//! `starpo-s`, diffs from the defaults) → the experiment script's `settings` map → `--algo` →
+//! `--set key=value` flags → [`Settings::validate`]: the command line beats the script. Errors
+//! name their source and the nearest known key. `ragen-lab settings` prints
+//! [`Settings::describe`], read from the same declarations. A resumed run starts from its saved
+//! settings; only `--set` applies on top.
 //!
 //! The defaults are RAGEN's algorithm (notes/ragen.md §3–4) with a rollout sized for a 2-core CPU;
 //! the GPU sizes (8 × 16 rollouts, 200 steps) are one `--set` line (docs/training.md).
@@ -13,6 +17,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+pub use crate::agent::rollout::Rollout;
 use crate::metrics::echo_trap::EchoSettings;
 
 /// How trajectory scores are normalised within their group before advantages (RAGEN
@@ -63,43 +68,6 @@ pub enum KlKind {
     K1,
     /// k3 "low-var-kl": r − log r − 1 with r = π_ref / π, clamped to [−10, 10].
     K3,
-}
-
-settings_section! {
-    /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
-    Rollout {
-        /// Number of env groups P per step; each group shares one start state (seed).
-        env_groups: usize = 4,
-        /// Episodes N per group.
-        group_size: usize = 8,
-        /// Most turns per episode; 0 = the env's own max_turns.
-        max_turns: usize = 0,
-        /// Most env actions per episode; 0 = the env's own max_actions.
-        max_actions: usize = 0,
-        /// Most actions parsed from one turn (`a || b || …`); 0 = the env's own value.
-        max_actions_per_turn: usize = 0,
-        /// Most generated tokens per turn (RAGEN: 400; its Bandit: 500).
-        response_length: usize = 128,
-        /// Most tokens in a whole packed trajectory (RAGEN max_model_len: 3600); an episode
-        /// whose next prompt would pass it ends (truncated).
-        max_context_tokens: usize = 3600,
-        /// Sampling temperature for training rollouts.
-        temperature: f64 = 1.0,
-        /// Nucleus sampling mass (1 = off).
-        top_p: f64 = 1.0,
-        /// Top-k sampling (0 = off).
-        top_k: usize = 0,
-        /// Think mode: generation starts inside `<think>`; false = no-think, it starts inside
-        /// `<answer>` and the model gives the answer alone.
-        think: bool = true,
-        /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
-        context_window: usize = 0,
-        /// Keys and values kept between turns so the next turn prefills only its new tokens,
-        /// in MB for the whole batch (0 = re-prefill every turn); episodes past it re-prefill.
-        kv_cache_mb: usize = 2048,
-        /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
-        seed_base: u64 = 10000,
-    }
 }
 
 settings_section! {

@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::Device;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
 
@@ -33,6 +32,7 @@ use crate::agent::pack::distinct_positions;
 use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
 use crate::metrics::collapse::template_collapse;
 use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor, MutualInfo};
+use crate::metrics::keys::Key;
 use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
 use crate::policy::{lora, Critic, Policy};
@@ -104,6 +104,34 @@ pub fn resolve_settings(
     Ok(s)
 }
 
+/// A resumed run keeps the settings and model it was started with; refuses the flags that would
+/// change them, saying why (`--set` and `--steps` still apply). `saved` is the run's
+/// settings.json. A flag that changes nothing (the model it already uses, the `--algo` its
+/// settings already follow) is accepted, so a resume command may repeat the start command's flags.
+pub fn refuse_on_resume(saved: &Value, preset: Option<Preset>, algo: Option<Algo>, model: Option<&str>) -> Result<()> {
+    let why = "a resumed run continues with the settings and model it was started with (settings.json)";
+    let name = |v: Value| v.as_str().map(String::from).unwrap_or_default();
+    if let Some(p) = preset {
+        let name = name(json!(p));
+        bail!("--preset {name} cannot apply to --resume: {why}; change single settings with --set");
+    }
+    if let Some(a) = algo {
+        let s: Settings = serde_json::from_value(saved["settings"].clone())
+            .context("settings.json does not match this version's settings")?;
+        let mut changed = s.clone();
+        changed.apply_algo(a);
+        if changed != s {
+            bail!("--algo {} cannot apply to --resume: {why}, and its advantage estimator differs (a critic cannot appear or vanish mid-run)", name(json!(a)));
+        }
+    }
+    if let (Some(m), Some(was)) = (model, saved["model"].as_str()) {
+        if m != was {
+            bail!("--model {m} cannot apply to --resume: {why}, and this run trains {was}; start a new run to train another model");
+        }
+    }
+    Ok(())
+}
+
 /// The checkpointed loop state besides weights and optimiser moments.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct State {
@@ -144,8 +172,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     } else {
         (exp.scripts(&host)?, Vec::new())
     };
-    // GPU 0 when built with `--features cuda` and one is present, else the CPU.
-    let device = Device::cuda_if_available(0)?;
+    let device = crate::policy::device()?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
     if opts.progress {
         eprintln!("ragen-lab train: {} with {} → {}", opts.experiment.display(), model, opts.run_dir.display());
@@ -351,29 +378,29 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
-        put(&mut line, "update/skipped", f64::from(u8::from(no_signal)));
+        put(&mut line, Key::Skipped, f64::from(u8::from(no_signal)));
         if !no_signal {
             update_metrics(&mut line, &stats, s.optim.lr);
         }
         let rollout_tokens: usize =
             trajs.iter().map(|t| t.packed.ids.len() + t.turns.iter().map(|u| u.response_tokens).sum::<usize>()).sum();
-        put(&mut line, "time/rollout_s", rollout_s);
-        put(&mut line, "time/update_s", update_s);
-        put(&mut line, "time/step_s", t_step.elapsed().as_secs_f64());
+        put(&mut line, Key::RolloutS, rollout_s);
+        put(&mut line, Key::UpdateS, update_s);
+        put(&mut line, Key::StepS, t_step.elapsed().as_secs_f64());
         let clocks = phase::take();
         for p in Phase::ALL {
-            put(&mut line, &format!("time/{}_s", p.name()), clocks.get(p));
+            put(&mut line, Key::time(p), clocks.get(p));
         }
         // The rest of the rollout: env and reward scripts, prompt rendering, tokenising.
-        put(&mut line, "time/env_s", rollout_s - clocks.get(Phase::Prefill) - clocks.get(Phase::Decode));
-        put(&mut line, "perf/tokens", (rollout_tokens + stats.tokens) as f64);
-        put(&mut line, "perf/tokens_computed", clocks.tokens as f64);
+        put(&mut line, Key::EnvS, rollout_s - clocks.get(Phase::Prefill) - clocks.get(Phase::Decode));
+        put(&mut line, Key::Tokens, (rollout_tokens + stats.tokens) as f64);
+        put(&mut line, Key::TokensComputed, clocks.tokens as f64);
         let packed: Vec<&[u32]> = trajs.iter().map(|t| t.packed.ids.as_slice()).collect();
-        put(&mut line, "perf/tokens_unique", distinct_positions(&packed) as f64);
+        put(&mut line, Key::TokensUnique, distinct_positions(&packed) as f64);
         // Rough: 2·N per token forward (rollout), 6·N per token forward + backward (update).
-        put(&mut line, "perf/flops", 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
+        put(&mut line, Key::Flops, 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
         if let Some(mb) = peak_rss_mb() {
-            put(&mut line, "perf/peak_rss_mb", mb);
+            put(&mut line, Key::PeakRssMb, mb);
         }
         if s.echo.mi_every > 0 && step % s.echo.mi_every as u64 == 0 {
             if let Some(mi) = template_collapse_probe(&policy, &trajs, &members, &s)? {
@@ -469,9 +496,10 @@ fn validate(
         let members = groups(&trajs);
         let pass =
             members.iter().filter(|m| m.iter().any(|&i| trajs[i].success)).count() as f64 / members.len().max(1) as f64;
-        put(&mut out, &format!("{key}/success"), success);
-        put(&mut out, &format!("{key}/reward_mean"), reward);
-        put(&mut out, &format!("{key}/pass_at_k"), pass);
+        let [k_success, k_reward, k_pass] = Key::validation(key == "val_heldout");
+        put(&mut out, k_success, success);
+        put(&mut out, k_reward, reward);
+        put(&mut out, k_pass, pass);
         let lines: Vec<Value> = trajs.iter().map(|t| trajectory_line(step, t, None, None, false)).collect();
         run.rollouts(&format!("{file}-step-{step:06}"), &lines)?;
     }
@@ -592,10 +620,8 @@ fn current_version(s: &ExperimentScripts, path: &Path) -> String {
     all.into_iter().find(|x| same_file(&x.path, path)).map(|x| x.version().to_string()).unwrap_or_default()
 }
 
-fn put(m: &mut Map<String, Value>, k: &str, v: f64) {
-    if v.is_finite() {
-        m.insert(k.into(), json!(v));
-    }
+fn put(m: &mut Map<String, Value>, k: Key, v: f64) {
+    k.put(m, v);
 }
 
 /// The `rollout/` metrics of one step (docs/contracts.md "Metric keys").
@@ -614,41 +640,41 @@ fn rollout_metrics(
     let turns: Vec<&crate::agent::rollout::TurnRecord> = trajs.iter().flat_map(|t| &t.turns).collect();
     let nt = turns.len().max(1) as f64;
     let mean_of = |xs: &[f64]| if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 };
-    put(&mut m, "rollout/reward_mean", mean);
-    put(&mut m, "rollout/reward_std", std);
-    put(&mut m, "rollout/reward_min", scores.iter().copied().fold(f64::INFINITY, f64::min));
-    put(&mut m, "rollout/reward_max", scores.iter().copied().fold(f64::NEG_INFINITY, f64::max));
-    put(&mut m, "rollout/success", trajs.iter().filter(|t| t.success).count() as f64 / trajs.len().max(1) as f64);
-    put(&mut m, "rollout/in_group_std", mean_of(stds));
-    put(&mut m, "rollout/in_group_std_kept", mean_of(&kept.iter().map(|&g| stds[g]).collect::<Vec<_>>()));
-    put(&mut m, "rollout/kept_ratio", kept.len() as f64 / members.len().max(1) as f64);
-    put(&mut m, "rollout/response_len", turns.iter().map(|t| t.response_tokens as f64).sum::<f64>() / nt);
-    put(&mut m, "rollout/think_len", turns.iter().map(|t| t.think_tokens as f64).sum::<f64>() / nt);
-    put(&mut m, "rollout/turns_mean", turns.len() as f64 / trajs.len().max(1) as f64);
+    put(&mut m, Key::RewardMean, mean);
+    put(&mut m, Key::RewardStd, std);
+    put(&mut m, Key::RewardMin, scores.iter().copied().fold(f64::INFINITY, f64::min));
+    put(&mut m, Key::RewardMax, scores.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+    put(&mut m, Key::Success, trajs.iter().filter(|t| t.success).count() as f64 / trajs.len().max(1) as f64);
+    put(&mut m, Key::InGroupStd, mean_of(stds));
+    put(&mut m, Key::InGroupStdKept, mean_of(&kept.iter().map(|&g| stds[g]).collect::<Vec<_>>()));
+    put(&mut m, Key::KeptRatio, kept.len() as f64 / members.len().max(1) as f64);
+    put(&mut m, Key::ResponseLen, turns.iter().map(|t| t.response_tokens as f64).sum::<f64>() / nt);
+    put(&mut m, Key::ThinkLen, turns.iter().map(|t| t.think_tokens as f64).sum::<f64>() / nt);
+    put(&mut m, Key::TurnsMean, turns.len() as f64 / trajs.len().max(1) as f64);
     let parsed_actions: usize = turns.iter().map(|t| t.actions.len() + t.invalid_actions.len()).sum();
     let valid: usize = trajs.iter().map(|t| t.actions_valid).sum();
     if parsed_actions > 0 {
-        put(&mut m, "rollout/valid_action_rate", valid as f64 / parsed_actions as f64);
+        put(&mut m, Key::ValidActionRate, valid as f64 / parsed_actions as f64);
     }
-    put(&mut m, "rollout/format_error_rate", turns.iter().filter(|t| !t.format_ok).count() as f64 / nt);
+    put(&mut m, Key::FormatErrorRate, turns.iter().filter(|t| !t.format_ok).count() as f64 / nt);
     let responses: Vec<&str> = turns.iter().map(|t| t.response.as_str()).collect();
-    put(&mut m, "rollout/repetition", repetition(&responses));
+    put(&mut m, Key::Repetition, repetition(&responses));
     m
 }
 
 fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
-    put(m, "update/pg_loss", u.pg_loss);
-    put(m, "update/entropy", u.entropy);
-    put(m, "update/clip_frac", u.clip_frac);
-    put(m, "update/grad_norm", u.grad_norm);
-    put(m, "update/approx_kl", u.approx_kl);
-    put(m, "update/lr", lr);
-    put(m, "update/optimizer_steps", u.optimizer_steps as f64);
+    put(m, Key::PgLoss, u.pg_loss);
+    put(m, Key::Entropy, u.entropy);
+    put(m, Key::ClipFrac, u.clip_frac);
+    put(m, Key::GradNorm, u.grad_norm);
+    put(m, Key::ApproxKl, u.approx_kl);
+    put(m, Key::Lr, lr);
+    put(m, Key::OptimizerSteps, u.optimizer_steps as f64);
     if let Some(k) = u.kl {
-        put(m, "update/kl", k);
+        put(m, Key::Kl, k);
     }
     if let Some(v) = u.value_loss {
-        put(m, "update/value_loss", v);
+        put(m, Key::ValueLoss, v);
     }
 }
 
@@ -669,14 +695,14 @@ fn trajectory_line(step: u64, t: &Trajectory, normalized: Option<f64>, advantage
 }
 
 fn headline(m: &Map<String, Value>) -> String {
-    let g = |k: &str| m.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let g = |k: Key| k.get(m).unwrap_or(f64::NAN);
     format!(
         "reward {:.3} success {:.2} std {:.3} entropy {:.3} len {:.0}",
-        g("rollout/reward_mean"),
-        g("rollout/success"),
-        g("rollout/in_group_std"),
-        g("update/entropy"),
-        g("rollout/response_len")
+        g(Key::RewardMean),
+        g(Key::Success),
+        g(Key::InGroupStd),
+        g(Key::Entropy),
+        g(Key::ResponseLen)
     )
 }
 
@@ -698,7 +724,7 @@ fn progress_bar(show: bool, start: u64, total: u64) -> ProgressBar {
 impl Summary {
     /// The one-screen summary printed at the end of `ragen-lab train`.
     pub fn render(&self) -> String {
-        let g = |m: &Option<Map<String, Value>>, k: &str| m.as_ref().and_then(|m| m.get(k)).and_then(Value::as_f64);
+        let g = |m: &Option<Map<String, Value>>, k: Key| m.as_ref().and_then(|m| k.get(m));
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
         let mut out = String::new();
         let status = if self.interrupted { "interrupted (checkpoint saved)" } else { "done" };
@@ -708,11 +734,11 @@ impl Summary {
         );
         out += &format!("  run directory   {}\n", self.run_dir.display());
         for (k, name) in [
-            ("rollout/reward_mean", "reward mean"),
-            ("rollout/success", "success"),
-            ("rollout/in_group_std", "in-group std"),
-            ("update/entropy", "entropy"),
-            ("rollout/response_len", "response len"),
+            (Key::RewardMean, "reward mean"),
+            (Key::Success, "success"),
+            (Key::InGroupStd, "in-group std"),
+            (Key::Entropy, "entropy"),
+            (Key::ResponseLen, "response len"),
         ] {
             out += &format!("  {name:<15} {:>8} → {:>8}\n", f(g(&self.first, k)), f(g(&self.last, k)));
         }

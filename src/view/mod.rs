@@ -9,6 +9,7 @@
 //! [`crate::metrics::plot::PANELS`], so `plot` and the viewer show the same series.
 pub mod serve;
 
+use crate::metrics::keys::Key;
 use crate::metrics::plot::PANELS;
 use crate::metrics::run::{read_jsonl, Run};
 use anyhow::{Context, Result};
@@ -18,6 +19,17 @@ use std::path::{Path, PathBuf};
 const PAGE: &str = include_str!("page.html");
 /// Where the page's script expects the data (a JSON literal replaces this whole comment).
 const SLOT: &str = "/*RAGEN_DATA*/null";
+
+/// The columns of the viewer's table of steps.
+pub const STEP_COLUMNS: &[(Key, &str)] = &[
+    (Key::RewardMean, "reward"),
+    (Key::Success, "success"),
+    (Key::InGroupStd, "in-group std"),
+    (Key::Entropy, "entropy"),
+    (Key::GradNorm, "grad norm"),
+    (Key::ThinkLen, "think len"),
+    (Key::ValSuccess, "val success"),
+];
 
 /// The viewer's data for a run: metrics, alarms, events, script versions, every trajectory.
 pub fn data(run: &Run) -> Result<Value> {
@@ -29,8 +41,11 @@ pub fn data(run: &Run) -> Result<Value> {
     let panels: Vec<Value> = PANELS
         .iter()
         .map(|p| {
-            let lines: Vec<Value> =
-                p.lines.iter().map(|l| json!({"key": l.key, "label": l.label, "band": l.band})).collect();
+            let lines: Vec<Value> = p
+                .lines
+                .iter()
+                .map(|l| json!({"key": l.key.name(), "label": l.label, "band": l.band.map(Key::name)}))
+                .collect();
             json!({"file": p.file, "title": p.title, "y": p.y, "lines": lines})
         })
         .collect();
@@ -41,6 +56,8 @@ pub fn data(run: &Run) -> Result<Value> {
         "generated": generated,
         "settings": run.settings,
         "panels": panels,
+        "step_columns": STEP_COLUMNS.iter().map(|(k, label)| json!([k.name(), label])).collect::<Vec<_>>(),
+        "success_key": Key::Success.name(),
         "metrics": run.metrics,
         "alarms": run.alarms,
         "events": run.events,

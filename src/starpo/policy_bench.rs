@@ -14,12 +14,13 @@
 //! count. Nothing here asserts a speed: tests check the mechanics on a tiny preset only.
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-use super::logprob::TokenBatch;
-use super::{GenerationConfig, Message, Policy};
+use super::optim::AdamW;
+use super::rundir::peak_rss_mb;
 use crate::phase::{self, Phase};
+use crate::policy::{GenerationConfig, Message, Policy, TokenBatch};
 use crate::rng::Rng;
 
 /// The prompt every generation row gets (as in `tools/bench_pytorch.py`).
@@ -163,7 +164,7 @@ fn bench_training(policy: &Policy, cfg: &BenchConfig) -> Result<TrainingRun> {
     let scored_tokens = (cfg.train_batch * cfg.train_seq.saturating_sub(1)).max(1) as f64;
     let named = policy.model.trainable_vars();
     // The trainer's AdamW with its default betas, eps and weight decay (0.01, as torch's).
-    let mut opt = crate::starpo::optim::AdamW::new(named, 1e-5, &Default::default())?;
+    let mut opt = AdamW::new(named, 1e-5, &Default::default())?;
     let mut timings = Vec::new();
     for step in 0..=cfg.train_steps {
         let mut acc = candle_core::backprop::GradStore::default();
@@ -207,96 +208,6 @@ fn bench_training(policy: &Policy, cfg: &BenchConfig) -> Result<TrainingRun> {
     Ok(run)
 }
 
-/// `ragen-lab bench policy`: the flags (kept beside the measurement they steer).
-#[derive(clap::Args, Debug)]
-pub struct PolicyArgs {
-    /// The model: a folder, a .gguf file, a preset, a known name or a hub id.
-    #[arg(long, default_value = "smollm2-135m")]
-    pub model: String,
-    /// Generation batch sizes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
-    pub batches: Vec<usize>,
-    /// New tokens per generated row (greedy; a row may stop earlier at its stop id).
-    #[arg(long, default_value_t = 64)]
-    pub new_tokens: usize,
-    /// Generation runs per batch size; the fastest counts.
-    #[arg(long, default_value_t = 2)]
-    pub repeats: usize,
-    /// Training batch: sequences per optimiser step (0 skips training).
-    #[arg(long, default_value_t = 8)]
-    pub train_batch: usize,
-    /// Training batch: tokens per sequence.
-    #[arg(long, default_value_t = 256)]
-    pub train_seq: usize,
-    /// Measured training steps, after one warm-up step.
-    #[arg(long, default_value_t = 2)]
-    pub train_steps: usize,
-    /// Sequences per forward/backward pass (gradients accumulate over the batch).
-    #[arg(long, default_value_t = 4)]
-    pub micro_batch: usize,
-    /// Train LoRA adapters of this rank (alpha 32, every projection) instead of every weight.
-    #[arg(long, value_name = "R")]
-    pub lora_rank: Option<usize>,
-    /// Keep only each layer's input in training and recompute layers in backward
-    /// (`optim.checkpoint_layers`).
-    #[arg(long)]
-    pub checkpoint_layers: bool,
-    /// Write this run's figures as JSON (the format tools/bench_pytorch.py writes).
-    #[arg(long, value_name = "FILE")]
-    pub json: Option<std::path::PathBuf>,
-    /// Print ratios against a results JSON from tools/bench_pytorch.py (above 1: we are faster).
-    #[arg(long, value_name = "FILE")]
-    pub compare: Option<std::path::PathBuf>,
-}
-
-/// Runs `ragen-lab bench policy`.
-pub fn run_cli(args: PolicyArgs) -> Result<()> {
-    // Read the comparison first: a wrong path should not cost a whole benchmark.
-    let theirs: Option<Report> = match &args.compare {
-        Some(path) => {
-            let text =
-                std::fs::read_to_string(path).with_context(|| format!("reading --compare {}", path.display()))?;
-            Some(serde_json::from_str(&text).with_context(|| {
-                format!("--compare {}: not a results JSON from tools/bench_pytorch.py", path.display())
-            })?)
-        }
-        None => None,
-    };
-    let mut policy = Policy::load(&args.model, &crate::cli::model::device())?;
-    policy.model.checkpoint_layers = args.checkpoint_layers;
-    let mut how = String::new();
-    if args.checkpoint_layers {
-        how += ", layer checkpoints";
-    }
-    if let Some(rank) = args.lora_rank {
-        super::lora::attach(&mut policy.model, &super::lora::LoraConfig::new(rank, 32.0, "all-linear", 0.0)?, 0)?;
-        how += &format!(", LoRA rank {rank}");
-    }
-    println!("{}: {} threads, {}{how}", policy.source, rayon::current_num_threads(), features());
-    let cfg = BenchConfig {
-        batches: args.batches,
-        new_tokens: args.new_tokens,
-        repeats: args.repeats,
-        train_batch: args.train_batch,
-        train_seq: args.train_seq,
-        train_steps: args.train_steps,
-        micro_batch: args.micro_batch,
-        seed: 0,
-    };
-    let ours = measure(&policy, &args.model, &cfg)?;
-    if let Some(reply) = &ours.greedy_reply {
-        println!("greedy reply (batch row 0): {reply:?}");
-    }
-    if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&ours)? + "\n")
-            .with_context(|| format!("writing --json {}", path.display()))?;
-    }
-    if let Some(theirs) = theirs {
-        println!("\n{}", comparison(&ours, &theirs));
-    }
-    Ok(())
-}
-
 /// A side-by-side table of two reports; the ratio is ours / theirs (above 1: we are faster).
 pub fn comparison(ours: &Report, theirs: &Report) -> String {
     let mut out =
@@ -332,7 +243,7 @@ fn short_engine(engine: &str) -> String {
 }
 
 /// The speed-relevant cargo features this binary was built with.
-fn features() -> String {
+pub fn features() -> String {
     let on: Vec<&str> = [
         ("avx512", cfg!(feature = "avx512")),
         ("mimalloc", cfg!(feature = "mimalloc")),
@@ -347,14 +258,6 @@ fn features() -> String {
     } else {
         on.join("+")
     }
-}
-
-/// Peak resident set size from /proc (Linux); `None` elsewhere.
-fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }
 
 #[cfg(test)]

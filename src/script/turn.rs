@@ -3,10 +3,18 @@
 //! split on `||`, each piece trimmed, the list cut to `max_actions_per_turn`, then each piece
 //! matched case-insensitively to the env's action names (unknown ones reported as invalid).
 //!
+//! [`apply_turn`] then plays a parsed turn on an episode: the one place where actions meet the
+//! env, shared by the rollout, `ragen-lab play` and `ragen-lab check --turn`, so the three
+//! cannot disagree about which actions run and when an episode ends.
+//!
 //! The trainer appends `<think>` (or `<answer>` in no-think mode) after the generation prompt, so
 //! a response usually begins inside the block; like RAGEN we prepend the opening tag unless the
 //! model wrote it again itself.
 use serde::{Deserialize, Serialize};
+
+use super::env::{EnvInfo, Episode, StepOutcome};
+use super::error::ScriptError;
+use super::reward::{shape_all, RewardScript};
 
 /// The separator between actions in one answer.
 pub const ACTION_SEP: &str = "||";
@@ -104,6 +112,114 @@ impl ParsedTurn {
     pub fn penalized(&self) -> bool {
         !self.format_ok || !self.invalid_actions.is_empty() || self.actions.is_empty()
     }
+}
+
+/// The limits turns are played under, the same in `train`, `play` and `check --turn`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct TurnLimits {
+    /// Env steps per episode over all turns; the episode is done when they are spent.
+    pub max_actions: usize,
+    /// Actions taken from one answer (`a || b || …`); later pieces are cut.
+    pub max_actions_per_turn: usize,
+}
+
+impl TurnLimits {
+    /// The settings' values (`rollout.max_actions`, `rollout.max_actions_per_turn`), where 0 means
+    /// the env's own (`describe()`), and never below 1.
+    pub fn resolve(info: &EnvInfo, max_actions: usize, max_actions_per_turn: usize) -> Self {
+        let pick = |set: usize, env: usize| if set > 0 { set } else { env }.max(1);
+        Self {
+            max_actions: pick(max_actions, info.max_actions),
+            max_actions_per_turn: pick(max_actions_per_turn, info.max_actions_per_turn),
+        }
+    }
+
+    /// Parses `response` against `info`'s action names under these limits.
+    pub fn parse(&self, response: &str, info: &EnvInfo, think: bool) -> ParsedTurn {
+        parse_turn(response, &info.actions, self.max_actions_per_turn, think)
+    }
+}
+
+/// The rollout settings that decide how a turn is parsed and played (`rollout.max_actions`,
+/// `rollout.max_actions_per_turn`, 0 = the env's own; `rollout.think`), for the tools that play
+/// turns outside training. The defaults are the training defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TurnSettings {
+    pub max_actions: usize,
+    pub max_actions_per_turn: usize,
+    pub think: bool,
+}
+
+impl Default for TurnSettings {
+    fn default() -> Self {
+        Self { max_actions: 0, max_actions_per_turn: 0, think: true }
+    }
+}
+
+/// What one turn's actions did to an episode.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Applied {
+    /// Each action stepped, with what the env said, in order.
+    pub steps: Vec<(String, StepOutcome)>,
+    /// Sum of the env's step rewards.
+    pub env_reward: f64,
+    /// The parsed turn's invalid pieces, then the stepped actions the env called invalid.
+    pub invalid_actions: Vec<String>,
+    /// A step reported success.
+    pub success: bool,
+    /// Actions the turn named but that were not played: the episode ended first, or the
+    /// episode's action budget ran out (as in RAGEN, they are dropped).
+    pub dropped: Vec<String>,
+    /// The episode is over: the env said done, or the budget of `max_actions` is spent.
+    pub done: bool,
+}
+
+impl Applied {
+    /// Stepped actions the env accepted.
+    pub fn valid_steps(&self) -> usize {
+        self.steps.iter().filter(|(_, o)| o.valid).count()
+    }
+}
+
+/// Plays `turn`'s actions on `ep` in order, stopping when the env says done or when the episode
+/// has taken `max_actions` steps (counted over the whole episode, `ep.steps`). `on_step` sees each
+/// step right after it happens (play prints it).
+pub fn apply_turn(
+    ep: &mut Episode,
+    turn: &ParsedTurn,
+    max_actions: usize,
+    mut on_step: impl FnMut(&Episode, &str, &StepOutcome) -> Result<(), ScriptError>,
+) -> Result<Applied, ScriptError> {
+    let mut out = Applied { invalid_actions: turn.invalid_actions.clone(), ..Applied::default() };
+    for (i, action) in turn.actions.iter().enumerate() {
+        if ep.done || ep.steps >= max_actions {
+            out.dropped = turn.actions[i..].to_vec();
+            break;
+        }
+        let step = ep.step(action)?;
+        out.env_reward += step.reward;
+        out.success |= step.success;
+        if !step.valid {
+            out.invalid_actions.push(action.clone());
+        }
+        on_step(ep, action, &step)?;
+        out.steps.push((action.clone(), step));
+    }
+    out.done = ep.done || ep.steps >= max_actions;
+    Ok(out)
+}
+
+/// [`apply_turn`], then the turn reward: the env reward through the reward scripts in order.
+pub fn apply_and_shape(
+    ep: &mut Episode,
+    turn: &ParsedTurn,
+    max_actions: usize,
+    rewards: &[RewardScript],
+    on_step: impl FnMut(&Episode, &str, &StepOutcome) -> Result<(), ScriptError>,
+) -> Result<(Applied, f64), ScriptError> {
+    let applied = apply_turn(ep, turn, max_actions, on_step)?;
+    let reward = shape_all(rewards, turn, applied.env_reward)?;
+    Ok((applied, reward))
 }
 
 #[cfg(test)]
