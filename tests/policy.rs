@@ -367,6 +367,48 @@ fn loader_errors_name_the_file_and_the_missing_tensor() {
 }
 
 #[test]
+fn loaders_refuse_tensors_and_config_fields_the_block_does_not_implement() {
+    let p = load("tiny-llama");
+    let load_dir = |dir: &std::path::Path| {
+        Policy::from_location(&ModelLocation::HfDir(dir.into()), &Device::Cpu).err().map(|e| format!("{e:#}"))
+    };
+    // An extra tensor (an o_proj bias) would be dropped silently: an error that names it.
+    let tmp = tempfile::tempdir().unwrap();
+    p.save(tmp.path()).unwrap();
+    let path = tmp.path().join("model.safetensors");
+    let mut all = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    all.insert(
+        "model.layers.0.self_attn.o_proj.bias".into(),
+        Tensor::zeros(8, candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
+    // RoPE buffers old checkpoints carry are harmless.
+    all.insert(
+        "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+        Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&all, &path).unwrap();
+    let msg = load_dir(tmp.path()).expect("an unused tensor must be an error");
+    assert!(msg.contains("model.layers.0.self_attn.o_proj.bias") && !msg.contains("inv_freq"), "{msg}");
+    all.remove("model.layers.0.self_attn.o_proj.bias");
+    candle_core::safetensors::save(&all, &path).unwrap();
+    assert_eq!(load_dir(tmp.path()), None, "inv_freq alone loads");
+    // Config fields that change the block's math.
+    let cfg_path = tmp.path().join("config.json");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    for (key, value, expect) in [
+        ("hidden_act", serde_json::json!("gelu"), "hidden_act \"gelu\""),
+        ("mlp_bias", serde_json::json!(true), "mlp_bias = true"),
+        ("attention_bias", serde_json::json!(true), "attention_bias = true"),
+    ] {
+        let mut c = cfg.clone();
+        c[key] = value;
+        std::fs::write(&cfg_path, c.to_string()).unwrap();
+        let msg = load_dir(tmp.path()).unwrap_or_else(|| panic!("{key} must be refused"));
+        assert!(msg.contains(expect) && msg.contains("config.json"), "{msg}");
+    }
+}
+
+#[test]
 fn chat_tokens_mask_assistant_turns_of_the_tiny_template() {
     let p = load("tiny-qwen2");
     let msgs = [Message::user("Up?"), Message::assistant("<answer>Up</answer>")];

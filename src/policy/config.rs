@@ -87,6 +87,20 @@ impl Config {
             |key: &str| get_usize(v, key).with_context(|| format!("{}: missing number field {key:?}", path.display()));
         let hidden_size = need("hidden_size")?;
         let num_attention_heads = need("num_attention_heads")?;
+        // The block is SiLU-gated with bias only on Qwen2's q/k/v: refuse what would load and
+        // then compute something else.
+        let act = v.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if act != "silu" {
+            bail!("{}: hidden_act {act:?} is not supported (the MLP is SiLU-gated)", path.display());
+        }
+        for key in ["mlp_bias", "attention_bias"] {
+            if v.get(key).and_then(Value::as_bool) == Some(true) {
+                bail!(
+                    "{}: {key} = true is not supported (biases exist only on Qwen2's q/k/v projections)",
+                    path.display()
+                );
+            }
+        }
         let rope_scaling = v.get("rope_scaling").filter(|x| !x.is_null());
         if let Some(rs) = rope_scaling {
             // Llama-3.1+ "llama3" scaling changes the frequencies: refuse rather than run it wrong.

@@ -76,11 +76,33 @@ pub fn load_hf_dir(dir: &Path, device: &Device) -> Result<Loaded> {
             .remove(name)
             .with_context(|| format!("{}: missing tensor {name} (in {})", dir.display(), names.join(", ")))
     })?;
+    // RoPE's inverse frequencies (saved by old transformers) are recomputed from the config, and
+    // a tied model may still carry its lm_head copy; anything else would be silently dropped.
+    let tied = model.lm_head.is_none();
+    tensors.retain(|n, _| !(n.ends_with("rotary_emb.inv_freq") || (tied && n == "lm_head.weight")));
+    refuse_unused(dir, tensors.into_keys())?;
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| anyhow!("reading {}: {e}", tok_path.display()))?;
     let tc_path = dir.join("tokenizer_config.json");
     let tokenizer_config = if tc_path.exists() { read_json(&tc_path)? } else { json!({}) };
     Ok(Loaded { model, tokenizer, tokenizer_config, eos_ids })
+}
+
+/// A weight file's tensors the model did not read mean an architecture it does not implement
+/// (biases, extra norms, scaled RoPE): an error that names them, not wrong logits.
+fn refuse_unused(source: &Path, names: impl Iterator<Item = String>) -> Result<()> {
+    let mut names: Vec<String> = names.collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    names.sort();
+    let more = if names.len() > 5 { format!(" and {} more", names.len() - 5) } else { String::new() };
+    names.truncate(5);
+    bail!(
+        "{}: tensors this architecture does not use: {}{more} (refusing to load a model it would compute wrongly)",
+        source.display(),
+        names.join(", ")
+    )
 }
 
 /// Write `model` and its tokenizer as a Hugging Face folder that `load_hf_dir` and
@@ -229,8 +251,10 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<Loaded> {
         bos_token_id: md_usize(md, "tokenizer.ggml.bos_token_id").map(|x| x as u32),
         eos_token_ids: eos.into_iter().collect(),
     };
+    let mut unused: std::collections::HashSet<String> = ct.tensor_infos.keys().cloned().collect();
     let model = Decoder::from_tensors(cfg.clone(), |name, _| {
         let g = gguf_name(name)?;
+        unused.remove(&g);
         if !ct.tensor_infos.contains_key(&g) {
             bail!("{}: missing tensor {g} (for {name})", path.display());
         }
@@ -240,6 +264,7 @@ pub fn load_gguf(path: &Path, device: &Device) -> Result<Loaded> {
             None => Ok(w),
         }
     })?;
+    refuse_unused(path, unused.into_iter())?;
     let tokenizer =
         gguf_tokenizer(md, &tokens).with_context(|| format!("{}: building the tokenizer", path.display()))?;
     let token = |key: &str| md_usize(md, key).and_then(|id| tokens.get(id)).cloned();
