@@ -12,18 +12,20 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use serde_json::{json, Value};
 
-use super::model::{project, Decoder, Linear, Mode};
+use super::model::{project, Decoder, Linear, Mode, PROJECTIONS};
 use crate::rng::Rng;
 
-/// The projections an adapter can sit on, by their HF module names.
-pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+/// The projections an adapter can sit on, by their HF module names (`q_proj`, …, `down_proj`).
+pub fn targets() -> Vec<&'static str> {
+    PROJECTIONS.iter().map(|p| p.rsplit('.').next().unwrap_or(p)).collect()
+}
 
 /// What adapters a decoder carries (the `lora.*` settings).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {
     pub rank: usize,
     pub alpha: f64,
-    /// HF module names from `TARGETS`.
+    /// HF module names from `targets()`.
     pub targets: Vec<String>,
     pub dropout: f64,
 }
@@ -37,13 +39,14 @@ impl LoraConfig {
         if !(0.0..1.0).contains(&dropout) {
             bail!("lora.dropout must be in [0, 1), got {dropout}");
         }
+        let known = self::targets();
         let targets: Vec<String> = if targets.trim() == "all-linear" {
-            TARGETS.iter().map(|t| t.to_string()).collect()
+            known.iter().map(|t| t.to_string()).collect()
         } else {
             targets.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect()
         };
-        if let Some(bad) = targets.iter().find(|t| !TARGETS.contains(&t.as_str())) {
-            bail!("lora.targets: unknown module {bad:?}; known: all-linear or {}", TARGETS.join(","));
+        if let Some(bad) = targets.iter().find(|t| !known.contains(&t.as_str())) {
+            bail!("lora.targets: unknown module {bad:?}; known: all-linear or {}", known.join(","));
         }
         if targets.is_empty() {
             bail!("lora.targets names no module");

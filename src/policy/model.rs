@@ -105,30 +105,89 @@ pub struct Layer {
     pub down_proj: Linear,
 }
 
+/// A layer's projections, module paths after `model.layers.{l}.` in HF order: the one list of
+/// their names (loading, saving, LoRA targets and the optimiser's names derive from it). The
+/// `Layer` fields in `Layer::projections` follow this order.
+pub const PROJECTIONS: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
+/// The layer's two norms, after `model.layers.{l}.`: before attention and before the MLP.
+const NORMS: [&str; 2] = ["input_layernorm.weight", "post_attention_layernorm.weight"];
+
 impl Layer {
+    /// The projections' `[out, in]` shapes and whether each has a bias, in `PROJECTIONS` order.
+    fn projection_specs(cfg: &Config) -> [([usize; 2], bool); 7] {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let (q, kv) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+        let b = cfg.family.qkv_bias();
+        [([q, h], b), ([kv, h], b), ([kv, h], b), ([h, q], false), ([i, h], false), ([i, h], false), ([h, i], false)]
+    }
+
+    /// Every tensor of a layer with its shape, named after `model.layers.{l}.`, in HF order (the
+    /// second norm before the MLP).
+    fn weight_specs(cfg: &Config) -> Vec<(String, Vec<usize>)> {
+        let mut out = vec![(NORMS[0].to_string(), vec![cfg.hidden_size])];
+        for (k, (path, ([rows, cols], bias))) in PROJECTIONS.iter().zip(Self::projection_specs(cfg)).enumerate() {
+            if k == 4 {
+                out.push((NORMS[1].to_string(), vec![cfg.hidden_size]));
+            }
+            out.push((format!("{path}.weight"), vec![rows, cols]));
+            if bias {
+                out.push((format!("{path}.bias"), vec![rows]));
+            }
+        }
+        out
+    }
+
+    /// A layer from its tensors, `take(name)` by the names of `weight_specs`.
+    fn from_named(cfg: &Config, mut take: impl FnMut(&str) -> Result<Var>) -> Result<Self> {
+        let mut linears = Vec::with_capacity(PROJECTIONS.len());
+        for (path, (_, bias)) in PROJECTIONS.iter().zip(Self::projection_specs(cfg)) {
+            let weight = take(&format!("{path}.weight"))?;
+            let bias = if bias { Some(take(&format!("{path}.bias"))?) } else { None };
+            linears.push(Linear { weight, bias, lora: None });
+        }
+        let [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]: [Linear; 7] =
+            linears.try_into().map_err(|_| anyhow::anyhow!("a layer has seven projections"))?;
+        Ok(Layer {
+            input_layernorm: take(NORMS[0])?,
+            post_attention_layernorm: take(NORMS[1])?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+        })
+    }
+
     /// The projections with their module path after `model.layers.{l}.`.
     pub fn linears(&self) -> [(&'static str, &Linear); 7] {
-        [
-            ("self_attn.q_proj", &self.q_proj),
-            ("self_attn.k_proj", &self.k_proj),
-            ("self_attn.v_proj", &self.v_proj),
-            ("self_attn.o_proj", &self.o_proj),
-            ("mlp.gate_proj", &self.gate_proj),
-            ("mlp.up_proj", &self.up_proj),
-            ("mlp.down_proj", &self.down_proj),
-        ]
+        let fields =
+            [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj, &self.gate_proj, &self.up_proj, &self.down_proj];
+        let mut names = PROJECTIONS.into_iter();
+        fields.map(|l| (names.next().expect("one name per projection"), l))
     }
 
     pub fn linears_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
-        [
-            ("self_attn.q_proj", &mut self.q_proj),
-            ("self_attn.k_proj", &mut self.k_proj),
-            ("self_attn.v_proj", &mut self.v_proj),
-            ("self_attn.o_proj", &mut self.o_proj),
-            ("mlp.gate_proj", &mut self.gate_proj),
-            ("mlp.up_proj", &mut self.up_proj),
-            ("mlp.down_proj", &mut self.down_proj),
-        ]
+        let fields = [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ];
+        let mut names = PROJECTIONS.into_iter();
+        fields.map(|l| (names.next().expect("one name per projection"), l))
     }
 
     /// Every weight a gradient can reach: the layer's own and its adapters'.
@@ -144,20 +203,15 @@ impl Layer {
 
     /// The layer's weights, named as in HF after `model.layers.{l}.`, in HF order.
     pub fn named_vars(&self) -> Vec<(String, &Var)> {
-        let [q, k, v, o, gate, up, down] = self.linears();
-        let mut out = vec![("input_layernorm.weight".to_string(), &self.input_layernorm)];
-        fn push<'a>(out: &mut Vec<(String, &'a Var)>, (path, lin): (&str, &'a Linear)) {
+        let mut out = vec![(NORMS[0].to_string(), &self.input_layernorm)];
+        for (k, (path, lin)) in self.linears().into_iter().enumerate() {
+            if k == 4 {
+                out.push((NORMS[1].to_string(), &self.post_attention_layernorm));
+            }
             out.push((format!("{path}.weight"), &lin.weight));
             if let Some(b) = &lin.bias {
                 out.push((format!("{path}.bias"), b));
             }
-        }
-        for lin in [q, k, v, o] {
-            push(&mut out, lin);
-        }
-        out.push(("post_attention_layernorm.weight".into(), &self.post_attention_layernorm));
-        for lin in [gate, up, down] {
-            push(&mut out, lin);
         }
         out
     }
@@ -339,24 +393,12 @@ enum Past<'a> {
 
 /// `(name, shape)` of every weight in HF naming and order.
 pub fn weight_names(cfg: &Config) -> Vec<(String, Vec<usize>)> {
-    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let q = cfg.num_attention_heads * cfg.head_dim;
-    let kv = cfg.num_key_value_heads * cfg.head_dim;
+    let h = cfg.hidden_size;
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h])];
     for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        for (name, rows) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-            out.push((format!("{p}.self_attn.{name}.weight"), vec![rows, h]));
-            if cfg.family.qkv_bias() {
-                out.push((format!("{p}.self_attn.{name}.bias"), vec![rows]));
-            }
-        }
-        out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+        out.extend(
+            Layer::weight_specs(cfg).into_iter().map(|(name, shape)| (format!("model.layers.{l}.{name}"), shape)),
+        );
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -388,29 +430,9 @@ impl Decoder {
         fn take(vars: &mut std::collections::HashMap<String, Var>, name: &str) -> Result<Var> {
             vars.remove(name).with_context(|| format!("missing tensor {name}"))
         }
-        let linear = |vars: &mut std::collections::HashMap<String, Var>, p: &str, bias: bool| -> Result<Linear> {
-            Ok(Linear {
-                weight: take(vars, &format!("{p}.weight"))?,
-                bias: if bias { Some(take(vars, &format!("{p}.bias"))?) } else { None },
-                lora: None,
-            })
-        };
-        let qkv_bias = cfg.family.qkv_bias();
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            layers.push(Layer {
-                q_proj: linear(&mut vars, &format!("{p}.self_attn.q_proj"), qkv_bias)?,
-                k_proj: linear(&mut vars, &format!("{p}.self_attn.k_proj"), qkv_bias)?,
-                v_proj: linear(&mut vars, &format!("{p}.self_attn.v_proj"), qkv_bias)?,
-                o_proj: linear(&mut vars, &format!("{p}.self_attn.o_proj"), false)?,
-                gate_proj: linear(&mut vars, &format!("{p}.mlp.gate_proj"), false)?,
-                up_proj: linear(&mut vars, &format!("{p}.mlp.up_proj"), false)?,
-                down_proj: linear(&mut vars, &format!("{p}.mlp.down_proj"), false)?,
-                input_layernorm: take(&mut vars, &format!("{p}.input_layernorm.weight"))?,
-                post_attention_layernorm: take(&mut vars, &format!("{p}.post_attention_layernorm.weight"))?,
-            });
-        }
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Layer::from_named(&cfg, |name| take(&mut vars, &format!("model.layers.{l}.{name}"))))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             embed_tokens: take(&mut vars, "model.embed_tokens.weight")?,
             norm: take(&mut vars, "model.norm.weight")?,
