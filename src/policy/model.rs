@@ -2,9 +2,9 @@
 //! SwiGLU; Qwen2 adds a Q/K/V bias), weights as candle `Var`s under their Hugging Face names.
 //!
 //! One forward pass serves three modes over the same weights:
-//! - `Mode::Train`: differentiable ops only (`rms_norm_slow`, a composite RoPE, and on the CPU
-//!   our masked causal softmax with its own backward, `kernels`), so every weight receives a
-//!   gradient. candle's fused ops silently cut the graph (shared/notes/candle-cpu.md §1).
+//! - `Mode::Train`: differentiable ops only (on the CPU our fused RMSNorm, RoPE and masked causal
+//!   softmax with their own backward, `kernels`; elsewhere the composite candle ops), so every
+//!   weight receives a gradient. candle's fused ops silently cut the graph (shared/notes/candle-cpu.md §1).
 //! - `Mode::Score`: Train's ops on detached weights: bit-identical values, no graph, so every
 //!   intermediate is freed as soon as the next op has read it (old and reference log-probs).
 //! - `Mode::Sample`: fused no-grad kernels on detached weights and a pre-allocated `KvCache`.
