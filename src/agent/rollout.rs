@@ -136,7 +136,6 @@ struct Live {
     history: History,
     turns: Vec<TurnRecord>,
     success: bool,
-    actions_taken: usize,
     actions_valid: usize,
     prev_reward: Option<f64>,
     done: bool,
@@ -181,7 +180,6 @@ pub fn rollout(
                 history: History::new(system.clone()),
                 turns: Vec::new(),
                 success: false,
-                actions_taken: 0,
                 actions_valid: 0,
                 prev_reward: None,
                 done: false,
@@ -199,7 +197,7 @@ pub fn rollout(
             let ctx = TurnContext {
                 turn,
                 obs: obs.clone(),
-                actions_left: max_actions - ep.actions_taken,
+                actions_left: max_actions.saturating_sub(ep.episode.steps),
                 prev_reward: ep.prev_reward,
                 think: s.think,
                 max_tokens: s.response_length,
@@ -244,7 +242,6 @@ pub fn rollout(
             // (RAGEN's format penalty included) is the experiment's reward scripts' job.
             let (applied, reward) =
                 apply_and_shape(&mut ep.episode, &parsed, max_actions, &scripts.rewards, |_, _, _| Ok(()))?;
-            ep.actions_taken += applied.steps.len();
             ep.actions_valid += applied.valid_steps();
             ep.success |= applied.success;
             let (env_reward, invalid) = (applied.env_reward, applied.invalid_actions);
@@ -290,7 +287,7 @@ pub fn rollout(
                 system: system.clone(),
                 turns: ep.turns,
                 versions: versions.clone(),
-                actions_taken: ep.actions_taken,
+                actions_taken: ep.episode.steps,
                 actions_valid: ep.actions_valid,
                 truncated: ep.truncated,
                 packed,

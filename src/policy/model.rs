@@ -129,20 +129,12 @@ impl Layer {
         [([q, h], b), ([kv, h], b), ([kv, h], b), ([h, q], false), ([i, h], false), ([i, h], false), ([h, i], false)]
     }
 
-    /// Every tensor of a layer with its shape, named after `model.layers.{l}.`, in HF order (the
-    /// second norm before the MLP).
+    /// Every tensor of a layer with its shape, named after `model.layers.{l}.`, in HF order.
     fn weight_specs(cfg: &Config) -> Vec<(String, Vec<usize>)> {
-        let mut out = vec![(NORMS[0].to_string(), vec![cfg.hidden_size])];
-        for (k, (path, ([rows, cols], bias))) in PROJECTIONS.iter().zip(Self::projection_specs(cfg)).enumerate() {
-            if k == 4 {
-                out.push((NORMS[1].to_string(), vec![cfg.hidden_size]));
-            }
-            out.push((format!("{path}.weight"), vec![rows, cols]));
-            if bias {
-                out.push((format!("{path}.bias"), vec![rows]));
-            }
-        }
-        out
+        let h = cfg.hidden_size;
+        let projections =
+            Self::projection_specs(cfg).map(|([rows, cols], bias)| (vec![rows, cols], bias.then(|| vec![rows])));
+        hf_order([vec![h], vec![h]], projections)
     }
 
     /// A layer from its tensors, `take(name)` by the names of `weight_specs`.
@@ -203,18 +195,28 @@ impl Layer {
 
     /// The layer's weights, named as in HF after `model.layers.{l}.`, in HF order.
     pub fn named_vars(&self) -> Vec<(String, &Var)> {
-        let mut out = vec![(NORMS[0].to_string(), &self.input_layernorm)];
-        for (k, (path, lin)) in self.linears().into_iter().enumerate() {
-            if k == 4 {
-                out.push((NORMS[1].to_string(), &self.post_attention_layernorm));
-            }
-            out.push((format!("{path}.weight"), &lin.weight));
-            if let Some(b) = &lin.bias {
-                out.push((format!("{path}.bias"), b));
+        let projections = self.linears().map(|(_, lin)| (&lin.weight, lin.bias.as_ref()));
+        hf_order([&self.input_layernorm, &self.post_attention_layernorm], projections)
+    }
+}
+
+/// A layer's items named after `model.layers.{l}.` in HF's order: the first norm, the attention
+/// projections, the second norm, the MLP projections; each projection's weight, then its bias.
+/// `projections` follow `PROJECTIONS`.
+fn hf_order<T>(norms: [T; 2], projections: [(T, Option<T>); 7]) -> Vec<(String, T)> {
+    let [first, second] = norms;
+    let mut out = vec![(NORMS[0].to_string(), first)];
+    let mut second = Some(second);
+    for (path, (weight, bias)) in PROJECTIONS.iter().zip(projections) {
+        if path.starts_with("mlp.") {
+            if let Some(norm) = second.take() {
+                out.push((NORMS[1].to_string(), norm));
             }
         }
-        out
+        out.push((format!("{path}.weight"), weight));
+        out.extend(bias.map(|b| (format!("{path}.bias"), b)));
     }
+    out
 }
 
 /// Take the gradient of `t` out of a backward pass's store, detached. candle's gradients are
