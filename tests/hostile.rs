@@ -525,7 +525,7 @@ fn non_finite_and_extreme_shaped_rewards_are_refused_by_name() {
     ] {
         let dir = project(&[("rewards/r.rhai", &format!("// shaping\nfn shape(turn, reward) {{ {ret} }}\n"))]);
         let r = RewardScript::load(&Host::new(dir.path(), tight()), Path::new("rewards/r.rhai")).unwrap();
-        let e = r.shape(&turn, 1.0).unwrap_err();
+        let e = r.shape(&turn, &[], 1.0).unwrap_err();
         assert_at(&e, ErrorKind::Contract, "rewards/r.rhai", 2, 1);
         assert!(e.message.contains(says), "{ret}: {e}");
     }

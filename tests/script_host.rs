@@ -501,12 +501,20 @@ fn the_prompt_template_writes_ragens_messages() {
     let e = env("sokoban");
     let info = e.info(&params(&e, &[])).unwrap();
     assert_eq!(prompt.system(&info).unwrap(), "You're a helpful assistant. ");
-    let first =
-        TurnContext { turn: 1, obs: "#P#".into(), actions_left: 10, prev_reward: None, think: true, max_tokens: 100 };
+    let first = TurnContext {
+        turn: 1,
+        obs: "#P#".into(),
+        actions_left: 10,
+        prev_reward: None,
+        think: true,
+        max_tokens: 100,
+        max_actions_per_turn: 5,
+        show_actions: true,
+    };
     let text = prompt.user(&info, &first).unwrap();
     let expected = format!(
         "{}\nThe meaning of each symbol in the state is:\n#: wall, _: empty, O: target, √: box on target, X: box, P: player, S: player on target\n\
-         Your available actions are:\nUp, Down, Left, Right\nYou can make up to 10 actions, separated by the action separator \" || \"\n\
+         Your available actions are:\nUp, Down, Left, Right\nYou can make up to 5 actions, separated by the action separator \" || \"\n\
          \nTurn 1:\nState:\n#P#\nYou have 10 actions left. Always output: <think> [Your thoughts] </think> <answer> [your answer] </answer> \
          with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n",
         info.instruction
@@ -516,15 +524,21 @@ fn the_prompt_template_writes_ragens_messages() {
         turn: 2,
         obs: "#S#".into(),
         actions_left: 7,
-        prev_reward: Some(-0.3),
+        // A sum of shaping terms: shown rounded, not as -0.15000000000000002.
+        prev_reward: Some(-0.1 - 0.05),
         think: false,
         max_tokens: 100,
+        max_actions_per_turn: 5,
+        show_actions: true,
     };
     assert_eq!(
         prompt.user(&info, &second).unwrap(),
-        "Reward:\n-0.3\n\nTurn 2:\nState:\n#S#\nYou have 7 actions left. Always output: <answer> [your answer] </answer> \
+        "Reward:\n-0.15\n\nTurn 2:\nState:\n#S#\nYou have 7 actions left. Always output: <answer> [your answer] </answer> \
          with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n"
     );
+    // Without the legal actions listed (rollout.show_actions = false) the limit is still stated.
+    let hidden = prompt.user(&info, &TurnContext { show_actions: false, ..first }).unwrap();
+    assert!(!hidden.contains("Your available actions") && hidden.contains("You can make up to 5 actions"));
 }
 
 #[test]
@@ -536,13 +550,33 @@ fn reward_scripts_apply_the_format_penalty_and_the_reasoning_bonus_in_order() {
     let long = "the box is left of the target so I push it right twice then check it";
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
     let good = parse_turn(&format!("{long}</think><answer>Up</answer>"), &acts, 5, true);
-    assert!(close(shape_all(&chain, &good, 1.0).unwrap(), 1.05));
+    assert!(close(shape_all(&chain, &good, &acts, 1.0).unwrap(), 1.05));
     let short = parse_turn("go</think><answer>Up</answer>", &acts, 5, true);
-    assert!(close(shape_all(&chain, &short, 1.0).unwrap(), 1.0));
+    assert!(close(shape_all(&chain, &short, &acts, 1.0).unwrap(), 1.0));
     let invalid = parse_turn("go</think><answer>Up || Fly</answer>", &acts, 5, true);
-    assert!(close(shape_all(&chain, &invalid, 0.0).unwrap(), -0.1));
+    assert!(close(shape_all(&chain, &invalid, &acts, 0.0).unwrap(), -0.1));
     let unparsed = parse_turn("I would go up", &acts, 5, true);
-    assert!(close(shape_all(&chain, &unparsed, 0.0).unwrap(), -0.1));
+    assert!(close(shape_all(&chain, &unparsed, &acts, 0.0).unwrap(), -0.1));
+}
+
+#[test]
+fn answer_credit_cannot_be_gamed_by_echoing_the_prompts_placeholder() {
+    let host = repo_host();
+    let load = |p: &str| RewardScript::load(&host, Path::new(p)).unwrap();
+    let chain = [load("rewards/format_penalty.rhai"), load("rewards/answer_credit.rhai")];
+    let acts: Vec<String> = ["Up", "Down", "Left", "Right"].map(String::from).to_vec();
+    let score = |response: &str| shape_all(&chain, &parse_turn(response, &acts, 2, false), &acts, 0.0).unwrap();
+    let valid = score(" Up || Left </answer>");
+    // What SmolLM2 learnt to write on FrozenLake and Sokoban: the prompt's own placeholder.
+    for echo in [" [your answer] </answer>", "Your answer</answer>", "[your answer]", "</answer>"] {
+        assert!(score(echo) < 0.0, "{echo:?} scored {}", score(echo));
+        assert!(score(echo) < valid, "{echo:?}");
+    }
+    // Partial credit toward the closing tag only when a real action is named.
+    let near = score(" Up </ans");
+    assert!(near > score(" Up") && near < valid && near > score(" [your answer] </ans"), "{near}");
+    // Naming an action the env does not have earns nothing beyond the penalty.
+    assert!((score(" Jump </answer>") - -0.1).abs() < 1e-9);
 }
 
 #[test]

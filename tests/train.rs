@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ragen-lab");
 
@@ -246,29 +246,44 @@ fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
 }
 
 /// The learning check: scripts/bandit_tiny.rhai as shipped (a random-weight tiny-llama, GRPO
-/// under the StarPO-S filter) goes from 0 to ≥ 0.9 validation success on Bandit in 30 steps
-/// (it first reaches 1.0 at step 20 on this machine; 30 leaves a margin for other CPUs' rounding).
-/// Training is deterministic for a seed, so this is not a flaky test; it fails when a change
-/// breaks learning (a sign error in the advantage, a mask off by one, a dropped gradient).
+/// under the StarPO-S filter, constrained answers) reaches ≥ 0.9 validation success on Bandit in
+/// 30 steps whatever the two arm names are: here two ordinary words the tiny tokenizer never saw
+/// (so each takes several tokens), each in turn the paying arm, so a model that merely prefers
+/// one name cannot pass both (it first reaches 1.0 by step 10 on this machine; 30 leaves a margin
+/// for other CPUs' rounding). Training is deterministic for a seed, so this is not a flaky test;
+/// it fails when a change breaks learning (a sign error in the advantage, a mask off by one, a
+/// dropped gradient).
 #[test]
-fn a_tiny_model_learns_bandit() {
+fn a_tiny_model_learns_bandit_whatever_the_arm_names() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    let mut c = Command::new(BIN);
-    c.current_dir(root).args(["train", "--env", "scripts/bandit_tiny.rhai", "--quiet", "--steps", "30"]);
-    c.args(["--set", "train.save_every=0", "--set", "train.val_every=30", "--run-dir"]).arg(&run);
-    run_ok(c);
-    let vals: Vec<(u64, f64)> = jsonl(&run.join("events.jsonl"))
-        .iter()
-        .filter(|e| e["kind"] == "validation")
-        .map(|e| (e["step"].as_u64().unwrap(), e["val/success"].as_f64().unwrap()))
-        .collect();
-    assert_eq!(vals.first().map(|v| v.0), Some(0), "{vals:?}");
-    assert!(vals[0].1 < 0.1, "a random model should not start out solving Bandit: {vals:?}");
-    let last = vals.last().unwrap();
-    assert_eq!(last.0, 30, "{vals:?}");
-    assert!(last.1 >= 0.9, "validation success after 30 steps: {vals:?}");
+    let names = ["Walrus", "Quokka"];
+    let tok = ragen_lab::policy::Policy::preset("tiny-llama", &candle_core::Device::Cpu).unwrap().tokenizer;
+    for name in names {
+        let corpus = ragen_lab::policy::preset::CORPUS.join(" ").to_lowercase();
+        assert!(!corpus.contains(&name.to_lowercase()), "{name} is in the tiny tokenizer's corpus");
+        assert!(tok.encode(format!(" {name}"), false).unwrap().len() >= 3, "{name} should take several tokens");
+    }
+    for (hi, lo) in [(names[0], names[1]), (names[1], names[0])] {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        let mut c = Command::new(BIN);
+        c.current_dir(root).args(["train", "--env", "scripts/bandit_tiny.rhai", "--quiet", "--steps", "30"]);
+        c.args(["--param", &format!("hi_arm={hi}"), "--param", &format!("lo_arm={lo}")]);
+        c.args(["--set", "train.save_every=0", "--set", "train.val_every=30", "--run-dir"]).arg(&run);
+        run_ok(c);
+        let vals: Vec<(u64, f64)> = jsonl(&run.join("events.jsonl"))
+            .iter()
+            .filter(|e| e["kind"] == "validation")
+            .map(|e| (e["step"].as_u64().unwrap(), e["val/success"].as_f64().unwrap()))
+            .collect();
+        assert_eq!(vals.first().map(|v| v.0), Some(0), "{vals:?}");
+        let last = vals.last().unwrap();
+        assert_eq!(last.0, 30, "{vals:?}");
+        assert!(last.1 >= 0.9, "{hi} over {lo}: validation success after 30 steps: {vals:?}");
+        assert!(vals[0].1 < 0.5, "{hi} over {lo}: the untrained model should not already choose {hi}: {vals:?}");
+        let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
+        assert_eq!(settings["params"]["hi_arm"], json!(hi), "--param is recorded with the run");
+    }
 }
 
 /// GRPO on a reward that never varies: every step is skipped (no entropy-only drift), logged
@@ -345,7 +360,7 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
     let expect = [
         ("rewards/format_penalty.rhai", 7, ["contract", "contract"]),
         ("envs/bandit.rhai", 24, ["operations", "timeout"]),
-        ("prompts/ragen.rhai", 21, ["size", "size"]),
+        ("prompts/ragen.rhai", 25, ["size", "size"]),
     ];
     for (e, (path, line, kinds)) in errors.iter().zip(expect) {
         assert_eq!((e["path"].as_str(), e["line"].as_u64()), (Some(path), Some(line)), "{e}");

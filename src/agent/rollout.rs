@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 
 use super::history::History;
 use super::pack::Packed;
+use crate::policy::constrain::AnswerGrammar;
 use crate::policy::{GenerationConfig, Policy, Resume};
 use crate::rng::Rng;
 use crate::script::turn::{apply_and_shape, ParsedTurn, TurnLimits};
@@ -47,6 +48,13 @@ settings_section! {
         think: bool = true,
         /// Turns of history the model sees: 0 = the full conversation, k = the last k turns.
         context_window: usize = 0,
+        /// List the env's legal actions in the prompt (the prompt script reads it as
+        /// `turn.show_actions`).
+        show_actions: bool = true,
+        /// Inside `<answer>`, sample only the env's action names (`A || B`, then `</answer>`),
+        /// so an answer cannot be misspelt; the choice stays the model's. RAGEN samples freely.
+        /// No effect on free-text envs.
+        constrain_actions: bool = false,
         /// Keys and values kept between turns so the next turn prefills only its new tokens,
         /// in MB for the whole batch (0 = re-prefill every turn); episodes past it re-prefill.
         kv_cache_mb: usize = 2048,
@@ -167,6 +175,11 @@ pub fn rollout(
         top_p: s.top_p,
         top_k: s.top_k,
         stop_strings: vec!["</answer>".into()],
+        constraint: if s.constrain_actions {
+            AnswerGrammar::new(&info.actions, limits.max_actions_per_turn, !s.think)
+        } else {
+            None
+        },
         ..GenerationConfig::default()
     };
 
@@ -201,6 +214,8 @@ pub fn rollout(
                 prev_reward: ep.prev_reward,
                 think: s.think,
                 max_tokens: s.response_length,
+                max_actions_per_turn: limits.max_actions_per_turn,
+                show_actions: s.show_actions,
             };
             let user = scripts.prompt.user(&info, &ctx)?;
             ep.history.push_user(user.clone());
@@ -241,7 +256,9 @@ pub fn rollout(
             // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
             // (RAGEN's format penalty included) is the experiment's reward scripts' job.
             let (applied, reward) =
-                apply_and_shape(&mut ep.episode, &parsed, max_actions, &scripts.rewards, |_, _, _| Ok(()))?;
+                apply_and_shape(&mut ep.episode, &parsed, max_actions, &scripts.rewards, &info.actions, |_, _, _| {
+                    Ok(())
+                })?;
             ep.actions_valid += applied.valid_steps();
             ep.success |= applied.success;
             let (env_reward, invalid) = (applied.env_reward, applied.invalid_actions);

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 
+use crate::script::parse_assignment;
 use crate::starpo::rundir::RunDir;
 use crate::starpo::settings::{Algo, Preset};
 use crate::starpo::trainer::{refuse_on_resume, train, Options};
@@ -41,6 +42,15 @@ pub struct Args {
     /// Training steps (shorthand for --set train.steps=N; with --resume, extends the run).
     #[arg(long)]
     pub steps: Option<usize>,
+    /// Override a training env parameter, e.g. `--param slippery=false --param size=4`
+    /// (repeatable; over the experiment's `params`; `ragen-lab check ENV` lists them). Curricula
+    /// are parameters: smaller rooms, fewer boxes, ice that does not slip.
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    pub params: Vec<String>,
+    /// Override a parameter of the held-out validation variant (repeatable; over the
+    /// experiment's `val_params`, or the training ones when it has none).
+    #[arg(long = "val-param", value_name = "KEY=VALUE")]
+    pub val_params: Vec<String>,
     /// Where to write the run (default runs/<name>).
     #[arg(long, value_name = "DIR", conflicts_with = "name")]
     pub run_dir: Option<PathBuf>,
@@ -80,6 +90,10 @@ fn resolve_resume(run: &Path) -> PathBuf {
     }
 }
 
+fn assignments(flags: &[String]) -> Result<Vec<(String, String)>> {
+    flags.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect()
+}
+
 pub fn run(args: Args) -> Result<()> {
     let (experiment, model, run_dir, resume) = match &args.resume {
         Some(r) => {
@@ -91,7 +105,8 @@ pub fn run(args: Args) -> Result<()> {
                     saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?,
                 ),
             };
-            refuse_on_resume(&saved, args.preset, args.algo, args.model.as_deref())
+            let params = !args.params.is_empty() || !args.val_params.is_empty();
+            refuse_on_resume(&saved, args.preset, args.algo, args.model.as_deref(), params)
                 .with_context(|| format!("resuming {}", dir.display()))?;
             let model = saved["model"].as_str().map(String::from).or(args.model.clone());
             (exp, model, dir, true)
@@ -130,6 +145,8 @@ pub fn run(args: Args) -> Result<()> {
         algo: args.algo,
         sets: args.sets,
         steps: args.steps,
+        params: assignments(&args.params)?,
+        val_params: assignments(&args.val_params)?,
         run_dir,
         resume,
         progress: !args.quiet,

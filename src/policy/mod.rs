@@ -6,12 +6,14 @@
 //! - [`load`]: HF folders and GGUF files in, HF folders (and GGUF for the presets) out.
 //! - [`tokenizer`], [`chat`]: byte-level BPE, chat templates with the assistant loss mask.
 //! - [`sample`]: batched generation; [`logprob`]: differentiable scoring; [`critic`]: PPO's value model.
+//! - [`constrain`]: answers limited to the env's action names (`rollout.constrain_actions`).
 //! - [`kernels`]: fused CPU ops with their own backward (masked causal softmax).
 //! - [`preset`]: tiny random models of both families for tests; [`resolve`]: model specs → files.
 //!
 //! [`Policy`] ties them together; its methods are the interface the agent and the trainer use
 //! (docs/contracts.md, "policy → agent/starpo").
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use anyhow::{anyhow, Context, Result};
 use candle_core::{Device, Var};
@@ -20,6 +22,7 @@ use tokenizers::Tokenizer;
 
 pub mod chat;
 pub mod config;
+pub mod constrain;
 pub mod critic;
 pub mod kernels;
 pub mod load;
@@ -62,6 +65,8 @@ pub struct Policy {
     pub spec: String,
     /// Most full-vocabulary logits alive at once when scoring (floats); see `logprob`.
     pub logit_chunk: usize,
+    /// Each token id's text alone, built on first use (constrained answers match text).
+    token_texts: OnceLock<Arc<Vec<String>>>,
 }
 
 /// A special token in tokenizer_config.json: a string or `{"content": …}`.
@@ -156,6 +161,7 @@ impl Policy {
             spec: source.clone(),
             source,
             logit_chunk: logprob::LOGIT_CHUNK,
+            token_texts: OnceLock::new(),
         })
     }
 
@@ -181,6 +187,17 @@ impl Policy {
     /// Text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))
+    }
+
+    /// Each token id's text decoded alone (empty for special tokens), for the model's whole
+    /// vocabulary (ids past the tokenizer's are empty).
+    pub fn token_texts(&self) -> Arc<Vec<String>> {
+        self.token_texts
+            .get_or_init(|| {
+                let n = self.model.cfg.vocab_size.max(self.tokenizer.get_vocab_size(true));
+                Arc::new((0..n as u32).map(|id| self.tokenizer.decode(&[id], true).unwrap_or_default()).collect())
+            })
+            .clone()
     }
 
     /// Every trainable weight (the adapters' under LoRA).
@@ -231,6 +248,7 @@ impl Policy {
             source: self.source.clone(),
             spec: self.spec.clone(),
             logit_chunk: self.logit_chunk,
+            token_texts: self.token_texts.clone(),
         }
     }
 }

@@ -1,8 +1,7 @@
 //! Presets: `tiny-llama` and `tiny-qwen2` for tests, `random-qwen2.5-0.5b` for measuring what
 //! a 0.5B model costs. Random weights of the real architectures with a
-//! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus holding
-//! the envs' vocabulary, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML
-//! template). They are written to disk in the real formats (HF folder, GGUF) and loaded back
+//! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus of
+//! general English, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML template). They are written to disk in the real formats (HF folder, GGUF) and loaded back
 //! through the real loaders, so tests and quick runs exercise the same code as a pretrained model.
 use std::path::Path;
 
@@ -35,23 +34,25 @@ pub const TAG_TOKENS: &[&str] = &["<think>", "</think>", "<answer>", "</answer>"
 /// Vocabulary size of the tiny tokenizer (small so tiny models are fast).
 pub const VOCAB_SIZE: usize = 512;
 
-/// What the tiny tokenizer learns from: the words our envs, prompts and parsers use.
-const CORPUS: &[&str] = &[
-    "You are a helpful assistant. You are playing a game. Think step by step, then give your answer.",
-    "<think>I should go Up because the goal is above me.</think><answer>Up</answer>",
-    "<think>The box is to the Right, so I push Right.</think><answer>Right || Down</answer>",
-    "<think>Left is blocked. Down is free.</think><answer>Down</answer>",
-    "<think>The Dragon pays more than the Phoenix.</think><answer>Dragon</answer>",
-    "<think>The Phoenix is safer.</think><answer>Phoenix</answer>",
-    "Available actions: Up, Down, Left, Right. Reward:\n1.0\nTurn 2. Actions left: 3.",
-    "Choose between Dragon and Phoenix. Which arm do you pull? Reward:\n0\n",
-    "The player P stands on the floor. The goal G is two steps to the Left. # is a wall, _ is floor.",
-    "Sokoban: push the box X onto the target O. Frozen lake: avoid the holes H, reach the goal G.",
-    "0 1 2 3 4 5 6 7 8 9 10 12 25 42 100 3.14 -0.1 0.5 1.0",
-    "user assistant system user assistant system Hello! How can I help you today?",
-    "What is 3 + 4? The answer is 7. Which is bigger, 3 or 7? 7 is bigger.",
-    "Your answer must be in the format <think>...</think><answer>...</answer>.",
-    "Invalid action. Valid actions are Up, Down, Left and Right. You have 5 turns left.",
+/// What the tiny tokenizer learns from: ordinary English prose, numbers and chat phrases, and
+/// none of the envs' own words (arm names, symbols, instructions), so a tiny model's results do
+/// not hinge on a name happening to be one token. Tests pick names that appear nowhere here.
+pub const CORPUS: &[&str] = &[
+    "Hello! How can I help you today? I am happy to answer your question.",
+    "The weather was cold in the morning, but by noon the sun had warmed the streets.",
+    "She walked to the market, bought bread and cheese, and came home before it rained.",
+    "If you add three and four you get seven; seven is more than five and less than ten.",
+    "Please read the instructions carefully, then write your reply in the requested format.",
+    "The river runs down from the hills, turns left at the old mill and right at the bridge.",
+    "He opened the window, looked up at the sky and said that the clouds were moving fast.",
+    "Our team meets every week to plan the work, share the results and choose what to try next.",
+    "A good answer is short and clear. Think about the question first, then give your answer.",
+    "The children played in the garden until dinner; their parents talked about the news.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 25 42 100 3.14 -0.1 0.5 1.0 and 2,048.",
+    "user assistant system user assistant system. You are a helpful assistant.",
+    "The meeting is on Tuesday at ten. Bring the report, the budget and your questions.",
+    "Which of these is better? It depends on what you need, how much time you have and the cost.",
+    "The cat sat near the door, the dog slept by the fire, and the house was quiet at last.",
 ];
 
 fn config(name: &str, vocab_size: usize) -> Result<Config> {
@@ -139,19 +140,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tiny_vocab_is_small_and_holds_the_env_words_whole() {
+    fn tiny_vocab_is_small_and_holds_the_tags_whole_but_not_the_envs_words() {
         let tok = tokenizer().unwrap();
         assert!(tok.get_vocab_size(true) <= 1024);
         for (i, s) in SPECIAL_TOKENS.iter().enumerate() {
             assert_eq!(tok.token_to_id(s), Some(i as u32));
         }
-        for word in TAG_TOKENS.iter().copied().chain(["think", "answer", " Dragon", " Phoenix", "Up", " Right"]) {
-            let ids = tok.encode(word, false).unwrap();
-            assert_eq!(ids.get_ids().len(), 1, "{word:?} → {:?}", ids.get_tokens());
+        for tag in TAG_TOKENS {
+            assert_eq!(tok.encode(*tag, false).unwrap().get_ids().len(), 1, "{tag}");
+        }
+        // Trained on general text: an env's names are spelt from pieces.
+        for word in [" Dragon", " Phoenix", " Librarian", " Sokoban"] {
+            assert!(tok.encode(word, false).unwrap().get_ids().len() >= 2, "{word:?}");
         }
         // The tags decode as text, so the turn parser sees them.
         let ids = tok.encode("<answer>Up</answer>", false).unwrap();
-        assert_eq!(ids.get_ids().len(), 3);
         assert_eq!(tok.decode(ids.get_ids(), true).unwrap(), "<answer>Up</answer>");
     }
 }

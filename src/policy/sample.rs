@@ -4,10 +4,12 @@
 //! the first one) prefill it once: its keys and values are copied into each row's cache and only
 //! the rows' own tokens are prefilled (`GenerationConfig::share_prefixes`). Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
 //! token budget); finished rows leave the batch (and the cache) in groups. Sampling (temperature,
-//! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout.
+//! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout. With an
+//! [`AnswerGrammar`], tokens that would leave a well-formed answer are masked before sampling.
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 
+use super::constrain::AnswerGrammar;
 use super::model::{KvCache, Mode, SharedPrefix};
 use super::Policy;
 use crate::phase::{self, Phase};
@@ -27,11 +29,22 @@ pub struct GenerationConfig {
     /// Prefill a prefix shared by consecutive prompts once (false: every row in full in one
     /// batch, the reference path the tests compare against).
     pub share_prefixes: bool,
+    /// Inside the answer, sample only tokens that keep it a well-formed action list
+    /// (`rollout.constrain_actions`); `None`: free sampling.
+    pub constraint: Option<AnswerGrammar>,
 }
 
 impl Default for GenerationConfig {
     fn default() -> Self {
-        Self { max_new_tokens: 256, temperature: 1.0, top_p: 1.0, top_k: 0, stop_strings: vec![], share_prefixes: true }
+        Self {
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_strings: vec![],
+            share_prefixes: true,
+            constraint: None,
+        }
     }
 }
 
@@ -118,7 +131,8 @@ pub struct Generation {
     /// The decoded text without special tokens, cut right after a stop string.
     pub text: String,
     /// Per id: its log-probability under softmax(logits / temperature) before top-k/top-p
-    /// filtering (temperature 1 when greedy), the distribution training scores.
+    /// filtering (temperature 1 when greedy), the distribution training scores; under a
+    /// constraint, of the masked logits (training still scores the model's own distribution).
     pub logprobs: Vec<f32>,
     pub finish: Finish,
 }
@@ -187,7 +201,8 @@ fn pick(logits: &[f32], cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
             return (i as u32, logprob(i));
         }
     }
-    let (i, _) = *cand.last().expect("at least one candidate");
+    // Rounding left a sliver: the last candidate that can be drawn (masked ones cannot).
+    let (i, _) = *cand.iter().rev().find(|c| c.1 > 0.0).or(cand.last()).expect("at least one candidate");
     (i as u32, logprob(i))
 }
 
@@ -256,6 +271,9 @@ impl Policy {
             Ok(Resume { kv: cache.row(k, starts[row], ids.len())?, ids })
         };
         let mut done = vec![false; b];
+        // Under a constraint: each row's text so far, token texts appended as they are sampled.
+        let token_texts = cfg.constraint.as_ref().map(|_| self.token_texts());
+        let mut replies = vec![String::new(); b];
         // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
         // once they are a quarter of it, so long stragglers do not drag the whole batch along.
         let mut active: Vec<usize> = (0..b).collect();
@@ -268,7 +286,26 @@ impl Policy {
                 if done[row] {
                     continue;
                 }
-                let (id, lp) = pick(&logits[k], cfg, rng);
+                let mask = match (&cfg.constraint, &token_texts) {
+                    (Some(grammar), Some(texts)) => {
+                        grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
+                    }
+                    _ => None,
+                };
+                let (id, lp) = match mask {
+                    Some(allowed) => {
+                        let masked: Vec<f32> = logits[k]
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &z)| if allowed.get(i) == Some(&true) { z } else { f32::NEG_INFINITY })
+                            .collect();
+                        pick(&masked, cfg, rng)
+                    }
+                    None => pick(&logits[k], cfg, rng),
+                };
+                if let Some(texts) = &token_texts {
+                    replies[row].push_str(texts.get(id as usize).map_or("", String::as_str));
+                }
                 let g = &mut out[row];
                 g.ids.push(id);
                 g.logprobs.push(lp);

@@ -261,7 +261,7 @@ pub fn check_turn(
 ) -> Result<TurnReport, String> {
     let file: TurnFile = serde_json::from_str(text).map_err(|e| format!("not a turn file: {e}"))?;
     let role = Role::detect(host, path).map_err(|e| e.to_string())?;
-    let (turn, rewards, steps, dropped, env_reward, done) = match role {
+    let (turn, env_actions, rewards, steps, dropped, env_reward, done) = match role {
         Role::Reward => {
             if file.seed != 0 || file.stream != 0 || !file.before.is_empty() {
                 return Err("seed, stream and before need an experiment script (an env to play on)".into());
@@ -269,7 +269,7 @@ pub fn check_turn(
             let reward = RewardScript::load(host, path).map_err(|e| e.to_string())?;
             let per_turn = file.max_actions_per_turn.unwrap_or(5).max(1);
             let turn = parse_turn(&file.response, &file.actions, per_turn, file.think.unwrap_or(true));
-            (turn, vec![reward], Vec::new(), Vec::new(), file.env_reward.unwrap_or(0.0), false)
+            (turn, file.actions.clone(), vec![reward], Vec::new(), Vec::new(), file.env_reward.unwrap_or(0.0), false)
         }
         Role::Experiment => {
             if file.env_reward.is_some() || !file.actions.is_empty() || file.max_actions_per_turn.is_some() {
@@ -308,7 +308,7 @@ pub fn check_turn(
                     valid: o.valid,
                 })
                 .collect();
-            (turn, scripts.rewards, steps, applied.dropped, applied.env_reward, applied.done)
+            (turn, info.actions, scripts.rewards, steps, applied.dropped, applied.env_reward, applied.done)
         }
         other => {
             return Err(format!(
@@ -321,7 +321,7 @@ pub fn check_turn(
     let mut shaped = Vec::new();
     let mut reward = env_reward;
     for r in &rewards {
-        reward = r.shape(&turn, reward).map_err(|e| e.to_string())?;
+        reward = r.shape(&turn, &env_actions, reward).map_err(|e| e.to_string())?;
         shaped.push(Shaped { script: r.script().name.clone(), reward });
     }
     Ok(TurnReport { turn, steps, dropped, env_reward, shaped, reward, done })

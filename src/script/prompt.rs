@@ -22,6 +22,17 @@ pub struct TurnContext {
     pub think: bool,
     /// The response length stated in the prompt ("Max response length: N words (tokens)").
     pub max_tokens: usize,
+    /// Actions parsed from one answer (`rollout.max_actions_per_turn`, or the env's own): what
+    /// "You can make up to N actions" must say, since later pieces are cut.
+    pub max_actions_per_turn: usize,
+    /// Whether to list the env's legal actions (`rollout.show_actions`, an experiment setting).
+    pub show_actions: bool,
+}
+
+/// A reward as a prompt shows it: rounded to 6 decimals, so a sum of shaping terms reads
+/// `-0.15`, not `-0.15000000000000002`.
+fn shown(reward: f64) -> f64 {
+    (reward * 1e6).round() / 1e6
 }
 
 script_role! {
@@ -42,7 +53,8 @@ impl PromptScript {
     }
 
     pub fn user(&self, info: &EnvInfo, turn: &TurnContext) -> Result<String, ScriptError> {
-        let args = (to_dynamic(info, &self.0.name)?, to_dynamic(turn, &self.0.name)?);
+        let turn = TurnContext { prev_reward: turn.prev_reward.map(shown), ..turn.clone() };
+        let args = (to_dynamic(info, &self.0.name)?, to_dynamic(&turn, &self.0.name)?);
         let v = self.0.call("user", args, None)?;
         self.text("user", v)
     }

@@ -1,6 +1,8 @@
 //! Reward shaping as scripts ([`RewardScript`]): `fn shape(turn, reward)` gets the parsed turn
-//! (think, answer, actions, invalid_actions, format_ok, response) and the reward so far, and
-//! returns the shaped reward. An experiment chains several, in order ([`shape_all`]).
+//! (think, answer, actions, invalid_actions, format_ok, response, and `env_actions`: the env's
+//! action names, empty for free-text envs) and the reward so far, and returns the shaped reward.
+//! An experiment chains several, in order ([`shape_all`]).
+use rhai::Dynamic;
 
 use super::env::{reward_value, to_dynamic};
 use super::error::{ErrorKind, ScriptError};
@@ -12,13 +14,21 @@ script_role! {
 }
 
 impl RewardScript {
-    pub fn shape(&self, turn: &ParsedTurn, reward: f64) -> Result<f64, ScriptError> {
-        let v = self.0.call("shape", (to_dynamic(turn, &self.0.name)?, reward), None)?;
+    /// Shapes `reward` for `turn`, a turn of an env whose action names are `env_actions`.
+    pub fn shape(&self, turn: &ParsedTurn, env_actions: &[String], reward: f64) -> Result<f64, ScriptError> {
+        let mut map = to_dynamic(turn, &self.0.name)?.cast::<rhai::Map>();
+        map.insert("env_actions".into(), to_dynamic(&env_actions, &self.0.name)?);
+        let v = self.0.call("shape", (Dynamic::from_map(map), reward), None)?;
         reward_value(&v, "the reward shape returns").map_err(|m| self.0.error_in("shape", ErrorKind::Contract, m))
     }
 }
 
 /// Applies each script in order to the turn's env reward.
-pub fn shape_all(scripts: &[RewardScript], turn: &ParsedTurn, env_reward: f64) -> Result<f64, ScriptError> {
-    scripts.iter().try_fold(env_reward, |r, s| s.shape(turn, r))
+pub fn shape_all(
+    scripts: &[RewardScript],
+    turn: &ParsedTurn,
+    env_actions: &[String],
+    env_reward: f64,
+) -> Result<f64, ScriptError> {
+    scripts.iter().try_fold(env_reward, |r, s| s.shape(turn, env_actions, r))
 }

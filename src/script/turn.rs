@@ -209,16 +209,18 @@ pub fn apply_turn(
     Ok(out)
 }
 
-/// [`apply_turn`], then the turn reward: the env reward through the reward scripts in order.
+/// [`apply_turn`], then the turn reward: the env reward through the reward scripts in order
+/// (`env_actions`: the env's action names, which the scripts see as `turn.env_actions`).
 pub fn apply_and_shape(
     ep: &mut Episode,
     turn: &ParsedTurn,
     max_actions: usize,
     rewards: &[RewardScript],
+    env_actions: &[String],
     on_step: impl FnMut(&Episode, &str, &StepOutcome) -> Result<(), ScriptError>,
 ) -> Result<(Applied, f64), ScriptError> {
     let applied = apply_turn(ep, turn, max_actions, on_step)?;
-    let reward = shape_all(rewards, turn, applied.env_reward)?;
+    let reward = shape_all(rewards, turn, env_actions, applied.env_reward)?;
     Ok((applied, reward))
 }
 

@@ -103,7 +103,16 @@ pub fn smoke_prompt(prompt: &PromptScript) -> Result<(), ScriptError> {
     prompt.system(&info)?;
     for (turn, think) in [(1, true), (2, false)] {
         let prev_reward = (turn > 1).then_some(-0.1);
-        let ctx = TurnContext { turn, obs: "P_G".into(), actions_left: 3, prev_reward, think, max_tokens: 100 };
+        let ctx = TurnContext {
+            turn,
+            obs: "P_G".into(),
+            actions_left: 3,
+            prev_reward,
+            think,
+            max_tokens: 100,
+            max_actions_per_turn: 2,
+            show_actions: turn == 1,
+        };
         prompt.user(&info, &ctx)?;
     }
     Ok(())
@@ -112,7 +121,7 @@ pub fn smoke_prompt(prompt: &PromptScript) -> Result<(), ScriptError> {
 pub fn smoke_reward(reward: &RewardScript) -> Result<(), ScriptError> {
     let acts = sample_info().actions;
     for response in ["plan</think><answer>Up || Down</answer>", "no tags", "x</think><answer>Jump</answer>"] {
-        reward.shape(&parse_turn(response, &acts, 2, true), 1.0)?;
+        reward.shape(&parse_turn(response, &acts, 2, true), &acts, 1.0)?;
     }
     Ok(())
 }

@@ -140,6 +140,8 @@ pub fn measure(args: &StepArgs) -> Result<StepReport> {
         algo: args.algo,
         sets,
         steps: Some(args.steps),
+        params: Vec::new(),
+        val_params: Vec::new(),
         run_dir: scratch.join("run"),
         resume: false,
         progress: false,

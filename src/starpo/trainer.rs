@@ -38,7 +38,7 @@ use crate::phase::{self, Phase};
 use crate::policy::{lora, Critic, Policy};
 use crate::rng::Rng;
 use crate::script::{
-    Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
+    params, Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
 };
 
 /// The model when neither `--model` nor the experiment names one.
@@ -57,6 +57,11 @@ pub struct Options {
     pub sets: Vec<String>,
     /// `--steps` (also extends a resumed run).
     pub steps: Option<usize>,
+    /// `--param key=value`: the training env's parameters over the experiment's `params`.
+    pub params: Vec<(String, String)>,
+    /// `--val-param key=value`: the held-out variant's, over its `val_params` (or, when the
+    /// experiment has none, over the training ones).
+    pub val_params: Vec<(String, String)>,
     pub run_dir: PathBuf,
     /// Continue the run in `run_dir` from its latest checkpoint.
     pub resume: bool,
@@ -108,8 +113,17 @@ pub fn resolve_settings(
 /// change them, saying why (`--set` and `--steps` still apply). `saved` is the run's
 /// settings.json. A flag that changes nothing (the model it already uses, the `--algo` its
 /// settings already follow) is accepted, so a resume command may repeat the start command's flags.
-pub fn refuse_on_resume(saved: &Value, preset: Option<Preset>, algo: Option<Algo>, model: Option<&str>) -> Result<()> {
+pub fn refuse_on_resume(
+    saved: &Value,
+    preset: Option<Preset>,
+    algo: Option<Algo>,
+    model: Option<&str>,
+    params: bool,
+) -> Result<()> {
     let why = "a resumed run continues with the settings and model it was started with (settings.json)";
+    if params {
+        bail!("--param and --val-param cannot apply to --resume: {why}, env parameters included");
+    }
     let name = |v: Value| v.as_str().map(String::from).unwrap_or_default();
     if let Some(p) = preset {
         let name = name(json!(p));
@@ -144,9 +158,14 @@ pub fn train(opts: Options) -> Result<Summary> {
     let t_start = Instant::now();
     // ---- setup -------------------------------------------------------------------------------
     let host = Host::for_script(&opts.experiment, Limits::from_env().map_err(anyhow::Error::msg)?);
-    let exp = Experiment::load(&host, &opts.experiment)?;
+    let mut exp = Experiment::load(&host, &opts.experiment)?;
     let (mut s, start_step, resume_from) = if opts.resume {
         let saved = RunDir::read_settings(&opts.run_dir)?;
+        // The env parameters it was started with (`--param` flags included).
+        if let Some(p) = saved["params"].as_object() {
+            exp.params = p.clone();
+        }
+        exp.val_params = saved["val_params"].as_object().cloned();
         let mut s: Settings = serde_json::from_value(saved["settings"].clone()).with_context(|| {
             format!("{}: settings.json does not match this version's settings", opts.run_dir.display())
         })?;
@@ -172,6 +191,17 @@ pub fn train(opts: Options) -> Result<Summary> {
     } else {
         (exp.scripts(&host)?, Vec::new())
     };
+    let with_flags = |given: &Map<String, Value>, flags: &[(String, String)]| -> Result<Map<String, Value>> {
+        let full = scripts.env.params_from(given)?;
+        params::apply(scripts.env.name(), &full, flags).map_err(anyhow::Error::msg)
+    };
+    if !opts.val_params.is_empty() {
+        let base = exp.val_params.clone().unwrap_or_else(|| exp.params.clone());
+        exp.val_params = Some(with_flags(&base, &opts.val_params)?);
+    }
+    if !opts.params.is_empty() {
+        exp.params = with_flags(&exp.params, &opts.params)?;
+    }
     let device = crate::policy::device()?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
     if opts.progress {
