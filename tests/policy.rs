@@ -215,6 +215,60 @@ fn batched_greedy_generation_equals_one_at_a_time_despite_padding() {
     }
 }
 
+/// Constrained answers: whatever a random model prefers, every sampled answer is one of the
+/// action names, then `</answer>`; the think budget forces `</think><answer>` after N tokens,
+/// after which the constraint governs the answer.
+#[test]
+fn constrained_answers_name_only_actions_and_the_think_budget_forces_the_close() {
+    use ragen_lab::policy::constrain::AnswerGrammar;
+    use ragen_lab::policy::sample::Forcing;
+    let p = load("tiny-llama");
+    let actions: Vec<String> = ["Walrus", "Quokka"].map(String::from).to_vec();
+    let prompts = vec![chat(&p, "Walrus or Quokka?"); 6];
+    let cfg = GenerationConfig {
+        max_new_tokens: 16,
+        temperature: 1.0,
+        stop_strings: vec!["</answer>".into()],
+        constraint: AnswerGrammar::new(&actions, 1, true),
+        ..Default::default()
+    };
+    let mut seen = std::collections::HashSet::new();
+    for g in p.generate(&prompts, &cfg, &mut Rng::new(3)).unwrap() {
+        assert!(!g.forced);
+        if g.finish == Finish::Stop {
+            let answer = g.text.trim_end_matches("</answer>").trim();
+            assert!(actions.iter().any(|a| a == answer), "{:?}", g.text);
+            seen.insert(answer.to_string());
+        } else {
+            assert!(AnswerGrammar::new(&actions, 1, true).unwrap().allows("", &g.text), "{:?}", g.text);
+        }
+    }
+    assert!(!seen.is_empty());
+    // Think mode: free text for 4 tokens, then the forced close, then a constrained answer.
+    let forced = p.encode_plain("</think><answer>").unwrap();
+    let cfg = GenerationConfig {
+        max_new_tokens: 24,
+        constraint: AnswerGrammar::new(&actions, 1, false),
+        forcing: Some(Forcing { after: 4, unless: "</think>".into(), ids: forced.clone() }),
+        ..cfg
+    };
+    let mut forced_rows = 0;
+    for g in p.generate(&prompts, &cfg, &mut Rng::new(4)).unwrap() {
+        if !g.forced {
+            // It ended or closed the think block itself within the budget.
+            assert!(g.ids.len() <= 4 || g.text.contains("</think>"), "{:?}", g.text);
+            continue;
+        }
+        forced_rows += 1;
+        let at = g.ids.windows(forced.len()).position(|w| w == forced.as_slice()).expect("the forced ids");
+        assert_eq!(at, 4, "{:?}", g.text);
+        assert!(g.logprobs[at..at + forced.len()].iter().all(|&lp| lp == 0.0));
+        let answer = g.text.split("<answer>").nth(1).unwrap();
+        assert!(AnswerGrammar::new(&actions, 1, true).unwrap().allows("", answer), "{:?}", g.text);
+    }
+    assert!(forced_rows > 0);
+}
+
 #[test]
 fn sampling_is_seeded_and_rows_stop_on_their_own() {
     let p = load("tiny-llama");

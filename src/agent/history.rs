@@ -9,7 +9,7 @@ use crate::policy::Message;
 pub struct History {
     pub system: String,
     /// (user message, assistant reply); the reply is `None` while the turn is being generated.
-    pub turns: Vec<(String, Option<String>)>,
+    pub turns: Vec<(String, Option<Message>)>,
 }
 
 impl History {
@@ -23,8 +23,13 @@ impl History {
 
     /// Record the reply to the open turn.
     pub fn push_assistant(&mut self, text: impl Into<String>) {
+        self.push_reply(Message::assistant(text));
+    }
+
+    /// Record the reply to the open turn, with what it carries (an unscored range).
+    pub fn push_reply(&mut self, reply: Message) {
         if let Some(last) = self.turns.last_mut() {
-            last.1 = Some(text.into());
+            last.1 = Some(reply);
         }
     }
 
@@ -40,7 +45,7 @@ impl History {
         for (user, reply) in &self.turns[start..] {
             out.push(Message::user(user.clone()));
             if let Some(r) = reply {
-                out.push(Message::assistant(r.clone()));
+                out.push(r.clone());
             }
         }
         out

@@ -11,7 +11,8 @@ use crate::policy::ChatTokens;
 #[derive(Clone, Debug, PartialEq)]
 pub struct Packed {
     pub ids: Vec<u32>,
-    /// True on assistant tokens (the loss mask), [T].
+    /// True on the assistant tokens the model wrote (the loss mask; text the sampler forced
+    /// is out), [T].
     pub mask: Vec<bool>,
     /// The last assistant token of each visible turn, in order, [K].
     pub turn_ends: Vec<usize>,
@@ -33,7 +34,7 @@ impl Packed {
         }
         Ok(Self {
             ids: chat.ids,
-            mask: chat.assistant_mask,
+            mask: chat.scored,
             turn_ends: ends,
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
         })
@@ -80,12 +81,15 @@ mod tests {
     fn turn_ends_and_score_on_last_assistant_token() {
         let chat = ChatTokens {
             ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
-            assistant_mask: vec![false, false, true, true, false, false, true, false],
+            assistant_mask: vec![false, false, true, true, true, false, true, false],
+            // Position 3 was forced by the sampler: in the turn, out of the loss.
+            scored: vec![false, false, true, false, true, false, true, false],
         };
         let p = Packed::new(chat, &[0.5, -0.1]).unwrap();
-        assert_eq!(p.turn_ends, vec![3, 6]);
+        assert_eq!(p.turn_ends, vec![4, 6]);
         assert_eq!(p.score_rewards(0.4), vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0]);
         assert_eq!(p.assistant_tokens(), 3);
+        assert!(!p.mask[3]);
     }
 
     #[test]
@@ -98,7 +102,7 @@ mod tests {
 
     #[test]
     fn reward_count_must_match_turns() {
-        let chat = ChatTokens { ids: vec![1, 2], assistant_mask: vec![false, true] };
+        let chat = ChatTokens { ids: vec![1, 2], assistant_mask: vec![false, true], scored: vec![false, true] };
         assert!(Packed::new(chat, &[1.0, 2.0]).unwrap_err().to_string().contains("1 assistant turns but 2"));
     }
 }

@@ -14,7 +14,8 @@ use serde_json::{Map, Value};
 use super::history::History;
 use super::pack::Packed;
 use crate::policy::constrain::AnswerGrammar;
-use crate::policy::{GenerationConfig, Policy, Resume};
+use crate::policy::sample::Forcing;
+use crate::policy::{GenerationConfig, Message, Policy, Resume};
 use crate::rng::Rng;
 use crate::script::turn::{apply_and_shape, ParsedTurn, TurnLimits};
 use crate::script::{Episode, ExperimentScripts, TurnContext};
@@ -55,6 +56,10 @@ settings_section! {
         /// so an answer cannot be misspelt; the choice stays the model's. RAGEN samples freely.
         /// No effect on free-text envs.
         constrain_actions: bool = false,
+        /// Think mode: after this many tokens without `</think>`, the sampler writes
+        /// `</think><answer>` itself (left out of the loss) and the model answers; 0 = off. For
+        /// models that never close their think block within `response_length`.
+        think_budget: usize = 0,
         /// Keys and values kept between turns so the next turn prefills only its new tokens,
         /// in MB for the whole batch (0 = re-prefill every turn); episodes past it re-prefill.
         kv_cache_mb: usize = 2048,
@@ -62,6 +67,9 @@ settings_section! {
         seed_base: u64 = 10000,
     }
 }
+
+/// What the sampler writes when the think budget is spent (`rollout.think_budget`).
+const FORCED: &str = "</think><answer>";
 
 /// What one rollout is asked to do.
 #[derive(Clone, Debug)]
@@ -166,9 +174,7 @@ pub fn rollout(
     let max_actions = limits.max_actions;
     let system = scripts.prompt.system(&info)?;
     let open_tag = if s.think { "<think>" } else { "<answer>" };
-    let open_ids =
-        policy.tokenizer.encode(open_tag, false).map_err(|e| anyhow::anyhow!("tokenizing {open_tag}: {e}"))?;
-    let open_ids = open_ids.get_ids().to_vec();
+    let open_ids = policy.encode_plain(open_tag)?;
     let gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
         temperature: plan.temperature,
@@ -179,6 +185,10 @@ pub fn rollout(
             AnswerGrammar::new(&info.actions, limits.max_actions_per_turn, !s.think)
         } else {
             None
+        },
+        forcing: match (s.think, s.think_budget) {
+            (true, n) if n > 0 => Some(Forcing { after: n, unless: "</think>".into(), ids: policy.encode_plain(FORCED)? }),
+            _ => None,
         },
         ..GenerationConfig::default()
     };
@@ -262,7 +272,11 @@ pub fn rollout(
             ep.actions_valid += applied.valid_steps();
             ep.success |= applied.success;
             let (env_reward, invalid) = (applied.env_reward, applied.invalid_actions);
-            ep.history.push_assistant(parsed.reserialize());
+            let mut reply = Message::assistant(parsed.reserialize());
+            if gen.forced {
+                reply.unscored = reply.content.find(FORCED).map(|i| (i, i + FORCED.len()));
+            }
+            ep.history.push_reply(reply);
             ep.prev_reward = Some(reward);
             ep.done = applied.done || turn == max_turns;
             let think_tokens = match &parsed.think {

@@ -25,11 +25,15 @@ pub const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>", "</s>"
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// A byte range of `content` the model did not write (text the sampler forced, such as
+    /// `</think><answer>` after the think budget): in the chat, but out of the loss mask.
+    #[serde(skip)]
+    pub unscored: Option<(usize, usize)>,
 }
 
 impl Message {
     pub fn new(role: &str, content: impl Into<String>) -> Self {
-        Self { role: role.to_string(), content: content.into() }
+        Self { role: role.to_string(), content: content.into(), unscored: None }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -42,11 +46,13 @@ impl Message {
     }
 }
 
-/// Token ids of a rendered conversation and, per token, whether it is an assistant token.
+/// Token ids of a rendered conversation and, per token, whether it is an assistant token, and
+/// whether it is scored (an assistant token outside the messages' `unscored` ranges).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatTokens {
     pub ids: Vec<u32>,
     pub assistant_mask: Vec<bool>,
+    pub scored: Vec<bool>,
 }
 
 /// A chat template with the special-token strings it may refer to.
@@ -101,8 +107,10 @@ impl ChatTemplate {
         tmpl.render(ctx).map_err(|e| anyhow!("chat template: {e:#}"))
     }
 
-    /// Byte spans of the rendered text that belong to assistant turns (see the module doc).
-    fn assistant_spans(&self, messages: &[Message], full: &str) -> Result<Vec<(usize, usize)>> {
+    /// Byte spans of the rendered text that belong to assistant turns (see the module doc), and
+    /// the spans of their `unscored` ranges.
+    fn assistant_spans(&self, messages: &[Message], full: &str) -> Result<(Vec<(usize, usize)>, Vec<(usize, usize)>)> {
+        let mut unscored = vec![];
         let mut spans = vec![];
         for (k, m) in messages.iter().enumerate() {
             if m.role != "assistant" {
@@ -116,19 +124,27 @@ impl ChatTemplate {
             let turn = &upto[before.len()..];
             let end = END_OF_TURN.iter().filter_map(|e| turn.find(e).map(|i| i + e.len())).min().unwrap_or(turn.len());
             spans.push((before.len(), before.len() + end));
+            if let Some((a, b)) = m.unscored {
+                // Where the content sits in the turn (a template may trim around it).
+                let Some(at) = m.content.get(a..b).and_then(|forced| turn.find(forced)) else {
+                    bail!("assistant message {k}: its unscored range is not in the rendered turn");
+                };
+                unscored.push((before.len() + at, before.len() + at + (b - a)));
+            }
         }
-        Ok(spans)
+        Ok((spans, unscored))
     }
 
     /// Render and tokenize. The template writes any BOS itself, so the tokenizer adds none
     /// (no doubled BOS).
     pub fn tokens(&self, tok: &Tokenizer, messages: &[Message], add_generation_prompt: bool) -> Result<ChatTokens> {
         let text = self.render(messages, add_generation_prompt)?;
-        let spans = self.assistant_spans(messages, &text)?;
+        let (spans, unscored) = self.assistant_spans(messages, &text)?;
         let enc = tok.encode(text.as_str(), false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
-        let assistant_mask =
-            enc.get_offsets().iter().map(|&(start, _)| spans.iter().any(|&(s, e)| start >= s && start < e)).collect();
-        Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask })
+        let within = |spans: &[(usize, usize)], start: usize| spans.iter().any(|&(s, e)| start >= s && start < e);
+        let assistant_mask: Vec<bool> = enc.get_offsets().iter().map(|&(start, _)| within(&spans, start)).collect();
+        let scored = enc.get_offsets().iter().zip(&assistant_mask).map(|(&(start, _), &a)| a && !within(&unscored, start)).collect();
+        Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask, scored })
     }
 }
 
@@ -164,6 +180,23 @@ mod tests {
         assert_eq!(text, format!("<think>Up</think><answer>Up</answer>{eot}<answer>Down</answer>{eot}"));
         let bos_id = tok.token_to_id(bos);
         assert!(bos_id.is_none() || ct.ids.iter().filter(|&&i| Some(i) == bos_id).count() == 1, "one BOS");
+    }
+
+    #[test]
+    fn an_unscored_range_stays_in_the_turn_but_leaves_the_loss_mask() {
+        let tok = train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer>"], 400, &["<|im_start|>", "<|im_end|>"], &["</think>", "<answer>"]).unwrap();
+        let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        let content = "<think>Up</think><answer>Up</answer>";
+        let forced = content.find("</think>").unwrap();
+        let mut reply = Message::assistant(content);
+        reply.unscored = Some((forced, forced + "</think><answer>".len()));
+        let ct = t.tokens(&tok, &[Message::user("Go Up or Down?"), reply], false).unwrap();
+        let pick = |mask: &[bool]| {
+            let ids: Vec<u32> = ct.ids.iter().zip(mask).filter(|(_, &m)| m).map(|(&i, _)| i).collect();
+            tok.decode(&ids, false).unwrap()
+        };
+        assert_eq!(pick(&ct.assistant_mask), format!("{content}<|im_end|>"));
+        assert_eq!(pick(&ct.scored), "<think>UpUp</answer><|im_end|>");
     }
 
     #[test]

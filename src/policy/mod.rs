@@ -184,6 +184,12 @@ impl Policy {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Token ids of `text` alone, no special tokens added (a piece inside a reply).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, false).map_err(|e| anyhow!("tokenizing {text:?}: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// Text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))

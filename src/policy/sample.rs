@@ -32,6 +32,17 @@ pub struct GenerationConfig {
     /// Inside the answer, sample only tokens that keep it a well-formed action list
     /// (`rollout.constrain_actions`); `None`: free sampling.
     pub constraint: Option<AnswerGrammar>,
+    /// Text the sampler writes itself once a reply runs long (`rollout.think_budget`).
+    pub forcing: Option<Forcing>,
+}
+
+/// After `after` tokens whose text lacks `unless`, the row is fed `ids` as if it had sampled
+/// them (`</think><answer>` once the think budget is spent), then samples on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Forcing {
+    pub after: usize,
+    pub unless: String,
+    pub ids: Vec<u32>,
 }
 
 impl Default for GenerationConfig {
@@ -44,6 +55,7 @@ impl Default for GenerationConfig {
             stop_strings: vec![],
             share_prefixes: true,
             constraint: None,
+            forcing: None,
         }
     }
 }
@@ -135,6 +147,9 @@ pub struct Generation {
     /// constraint, of the masked logits (training still scores the model's own distribution).
     pub logprobs: Vec<f32>,
     pub finish: Finish,
+    /// The sampler wrote `GenerationConfig::forcing`'s ids into this reply (their log-probs
+    /// are 0).
+    pub forced: bool,
 }
 
 /// The positions a row has already run through the model (its prompt and the generated tokens
@@ -261,7 +276,7 @@ impl Policy {
         let dev = self.device();
         let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, resume, cfg))?;
         let mut out: Vec<Generation> = (0..b)
-            .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length })
+            .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length, forced: false })
             .collect();
         let mut kept: Vec<Option<Resume>> = (0..b).map(|_| None).collect();
         // Row k of the cache holds the positions of `prompts[row]` and of the tokens fed after
@@ -271,9 +286,11 @@ impl Policy {
             Ok(Resume { kv: cache.row(k, starts[row], ids.len())?, ids })
         };
         let mut done = vec![false; b];
-        // Under a constraint: each row's text so far, token texts appended as they are sampled.
-        let token_texts = cfg.constraint.as_ref().map(|_| self.token_texts());
+        // Under a constraint or a forcing: each row's text so far, token texts appended as they
+        // are sampled; and the forced ids a row has still to be fed.
+        let token_texts = (cfg.constraint.is_some() || cfg.forcing.is_some()).then(|| self.token_texts());
         let mut replies = vec![String::new(); b];
+        let mut to_force: Vec<std::collections::VecDeque<u32>> = vec![Default::default(); b];
         // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
         // once they are a quarter of it, so long stragglers do not drag the whole batch along.
         let mut active: Vec<usize> = (0..b).collect();
@@ -286,14 +303,23 @@ impl Policy {
                 if done[row] {
                     continue;
                 }
-                let mask = match (&cfg.constraint, &token_texts) {
-                    (Some(grammar), Some(texts)) => {
+                if let Some(f) = cfg.forcing.as_ref().filter(|f| {
+                    !out[row].forced && out[row].ids.len() >= f.after && !replies[row].contains(f.unless.as_str())
+                }) {
+                    out[row].forced = true;
+                    to_force[row].extend(&f.ids);
+                }
+                let forced = to_force[row].pop_front();
+                let mask = match (&cfg.constraint, &token_texts, forced) {
+                    (_, _, Some(_)) => None,
+                    (Some(grammar), Some(texts), None) => {
                         grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
                     }
                     _ => None,
                 };
-                let (id, lp) = match mask {
-                    Some(allowed) => {
+                let (id, lp) = match (forced, mask) {
+                    (Some(id), _) => (id, 0.0),
+                    (None, Some(allowed)) => {
                         let masked: Vec<f32> = logits[k]
                             .iter()
                             .enumerate()
@@ -301,7 +327,7 @@ impl Policy {
                             .collect();
                         pick(&masked, cfg, rng)
                     }
-                    None => pick(&logits[k], cfg, rng),
+                    (None, None) => pick(&logits[k], cfg, rng),
                 };
                 if let Some(texts) = &token_texts {
                     replies[row].push_str(texts.get(id as usize).map_or("", String::as_str));
