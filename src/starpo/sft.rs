@@ -80,7 +80,17 @@ pub struct Summary {
     pub step_loss: Vec<f64>,
     pub step_grad_norm: Vec<f64>,
     pub seconds: f64,
+    /// Wall-clock seconds of each part: demonstrations, the two NLL passes, training, saving.
+    pub phase_seconds: PhaseSeconds,
     pub settings: Settings,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PhaseSeconds {
+    pub demonstrations: f64,
+    pub nll: f64,
+    pub training: f64,
+    pub save: f64,
 }
 
 pub fn sft(opts: Options) -> Result<Summary> {
@@ -110,6 +120,9 @@ pub fn sft(opts: Options) -> Result<Summary> {
     let lr = opts.lr.unwrap_or(if lora.is_some() { LORA_LR } else { FULL_LR });
     let mut opt = AdamW::new(policy.model.trainable_vars(), lr, &s.optim)?;
     let mut rng = Rng::new(s.train.seed);
+    let mut phases = PhaseSeconds::default();
+    let mut clock = Instant::now();
+    let mut lap = || std::mem::replace(&mut clock, Instant::now()).elapsed().as_secs_f64();
 
     // 1. Demonstrations: the solver plays one episode per seed, turn by turn as the rollout does.
     let first_seed = opts.seed.unwrap_or(s.rollout.seed_base);
@@ -123,9 +136,11 @@ pub fn sft(opts: Options) -> Result<Summary> {
         bail!("the solver found no solution for any of the {} seeds from {first_seed}", seeds.len());
     }
     let seqs: Vec<&Packed> = demos.iter().map(|d| &d.packed).collect();
+    phases.demonstrations = lap();
 
     // 2. The NLL before training.
     let nll_before = nll(&policy, &seqs, s.optim.micro_batch_size)?;
+    phases.nll = lap();
 
     // 3. Epochs × shuffled mini-batches.
     let per_epoch = seqs.len().div_ceil(s.optim.mini_batch_size.max(1));
@@ -145,13 +160,16 @@ pub fn sft(opts: Options) -> Result<Summary> {
         bar.println(format!("epoch {}/{}: loss {l:.4}", e + 1, opts.epochs));
     }
     bar.finish_and_clear();
+    phases.training = lap();
 
     // 4. The NLL after; merge, save, summarise.
     let nll_after = nll(&policy, &seqs, s.optim.micro_batch_size)?;
+    phases.nll += lap();
     if lora.is_some() {
         lora::merge(&mut policy.model)?;
     }
     policy.save(&opts.out).with_context(|| format!("saving the model to {}", opts.out.display()))?;
+    phases.save = lap();
     let summary = Summary {
         experiment: opts.experiment.clone(),
         model,
@@ -167,6 +185,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
         step_loss,
         step_grad_norm,
         seconds: t_start.elapsed().as_secs_f64(),
+        phase_seconds: phases,
         settings: s,
     };
     let dir = summary_dir(&opts.out);
@@ -288,7 +307,11 @@ impl Summary {
     /// The one-screen summary printed at the end of `ragen-lab sft`.
     pub fn render(&self) -> String {
         let d = &self.demos;
-        let mut out = format!("ragen-lab sft: done in {:.0} s\n", self.seconds);
+        let p = &self.phase_seconds;
+        let mut out = format!(
+            "ragen-lab sft: done in {:.0} s (demonstrations {:.0}, NLL {:.0}, training {:.0}, saving {:.0})\n",
+            self.seconds, p.demonstrations, p.nll, p.training, p.save
+        );
         out += &format!(
             "  demonstrations  {} episodes (seeds {}..{}, {} unsolvable skipped), {} turns\n",
             d.episodes,
