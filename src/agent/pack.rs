@@ -5,7 +5,8 @@
 //! Positions follow the policy's log-prob layout: position t scores `ids[t]` given `ids[..t]`.
 use anyhow::{bail, Result};
 
-use crate::policy::ChatTokens;
+use super::history::History;
+use crate::policy::{ChatTokens, Policy};
 
 /// One trajectory as the update sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +39,15 @@ impl Packed {
             turn_ends: ends,
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
         })
+    }
+
+    /// A finished episode's chat as the model last saw it (the context window: the last `window`
+    /// turns, 0 = all), through `policy`'s chat template, with the rewards of all its turns (the
+    /// shown turns' are kept). The rollout and the solver demonstrations pack with this.
+    pub fn from_history(policy: &Policy, history: &History, turn_rewards: &[f64], window: usize) -> Result<Self> {
+        let shown = history.visible_turns(window).min(turn_rewards.len());
+        let chat = policy.chat_tokens(&history.messages(window), false)?;
+        Self::new(chat, &turn_rewards[turn_rewards.len() - shown..])
     }
 
     /// Token-level rewards with the whole score R = Σ turn rewards on the last assistant token

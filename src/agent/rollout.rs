@@ -18,7 +18,7 @@ use crate::policy::sample::Forcing;
 use crate::policy::{GenerationConfig, Message, Policy, Resume};
 use crate::rng::Rng;
 use crate::script::turn::{apply_and_shape, ParsedTurn, TurnLimits};
-use crate::script::{Episode, ExperimentScripts, TurnContext};
+use crate::script::{EnvInfo, Episode, ExperimentScripts, TurnContext};
 
 settings_section! {
     /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
@@ -168,13 +168,9 @@ pub fn rollout(
     s: &Rollout,
     rng: &mut Rng,
 ) -> Result<Vec<Trajectory>> {
-    let info = scripts.env.info(&plan.params)?;
-    let max_turns = if s.max_turns > 0 { s.max_turns } else { info.max_turns }.max(1);
-    let limits = TurnLimits::resolve(&info, s.max_actions, s.max_actions_per_turn);
+    let turns = Turns::new(policy, scripts, &plan.params, s)?;
+    let (info, max_turns, limits, system) = (&turns.info, turns.max_turns, turns.limits, &turns.system);
     let max_actions = limits.max_actions;
-    let system = scripts.prompt.system(&info)?;
-    let open_tag = if s.think { "<think>" } else { "<answer>" };
-    let open_ids = policy.encode_plain(open_tag)?;
     let gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
         temperature: plan.temperature,
@@ -200,7 +196,7 @@ pub fn rollout(
                 group,
                 index,
                 episode: scripts.env.reset(seed, index as u64, &plan.params)?,
-                history: History::new(system.clone()),
+                history: History::new(system),
                 turns: Vec::new(),
                 success: false,
                 actions_valid: 0,
@@ -216,29 +212,12 @@ pub fn rollout(
         // 1. Prompts of every live episode.
         let mut batch = Vec::new(); // (episode index, prompt ids, obs, user text)
         for (i, ep) in live.iter_mut().enumerate().filter(|(_, e)| !e.done) {
-            let obs = ep.episode.render()?;
-            let ctx = TurnContext {
-                turn,
-                obs: obs.clone(),
-                actions_left: max_actions.saturating_sub(ep.episode.steps),
-                prev_reward: ep.prev_reward,
-                think: s.think,
-                max_tokens: s.response_length,
-                max_actions_per_turn: limits.max_actions_per_turn,
-                show_actions: s.show_actions,
-            };
-            let user = scripts.prompt.user(&info, &ctx)?;
-            ep.history.push_user(user.clone());
-            let mut ids = policy.chat_tokens(&ep.history.messages(s.context_window), true)?.ids;
-            ids.extend_from_slice(&open_ids);
-            if ids.len() + s.response_length > s.max_context_tokens {
-                // No room for another full response: the episode ends here (RAGEN max_model_len).
-                ep.history.turns.pop();
+            let Some(open) = turns.open(policy, scripts, &ep.episode, &mut ep.history, turn, ep.prev_reward, s)? else {
                 ep.done = true;
                 ep.truncated = true;
                 continue;
-            }
-            batch.push((i, ids, obs, user));
+            };
+            batch.push((i, open.ids, open.obs, open.user));
         }
         if batch.is_empty() {
             break;
@@ -262,7 +241,7 @@ pub fn rollout(
         // 3. Parse, step, shape.
         for ((i, _, obs, user), gen) in batch.into_iter().zip(gens) {
             let ep = &mut live[i];
-            let parsed: ParsedTurn = limits.parse(&gen.text, &info, s.think);
+            let parsed: ParsedTurn = limits.parse(&gen.text, info, s.think);
             // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
             // (RAGEN's format penalty included) is the experiment's reward scripts' job.
             let (applied, reward) =
@@ -305,10 +284,8 @@ pub fn rollout(
     let versions = Versions::of(scripts);
     live.into_iter()
         .map(|ep| {
-            let shown = ep.history.visible_turns(s.context_window);
             let rewards: Vec<f64> = ep.turns.iter().map(|t| t.reward).collect();
-            let chat = policy.chat_tokens(&ep.history.messages(s.context_window), false)?;
-            let packed = Packed::new(chat, &rewards[rewards.len() - shown..])?;
+            let packed = Packed::from_history(policy, &ep.history, &rewards, s.context_window)?;
             Ok(Trajectory {
                 group: ep.group,
                 episode: ep.index,
@@ -325,6 +302,76 @@ pub fn rollout(
             })
         })
         .collect()
+}
+
+/// How a rollout's episodes are played and asked: the env's description, the turn and action
+/// limits (the settings over the env's own), the system message and the tag generation starts
+/// with. The rollout and the solver demonstrations (`agent::demo`) both open every turn with
+/// [`Turns::open`], so a demonstration answers exactly the prompt the model is given.
+pub struct Turns {
+    pub info: EnvInfo,
+    /// `rollout.max_turns`, 0 = the env's own.
+    pub max_turns: usize,
+    pub limits: TurnLimits,
+    pub system: String,
+    /// `<think>` (think mode) or `<answer>`, tokenized: generation starts after it.
+    pub open_ids: Vec<u32>,
+}
+
+/// One opened turn: the observation, the user message, and the prompt the model continues.
+pub struct OpenTurn {
+    pub obs: String,
+    pub user: String,
+    /// The chat so far with the generation prompt and the opening tag.
+    pub ids: Vec<u32>,
+}
+
+impl Turns {
+    pub fn new(policy: &Policy, scripts: &ExperimentScripts, params: &Map<String, Value>, s: &Rollout) -> Result<Self> {
+        let info = scripts.env.info(params)?;
+        let max_turns = if s.max_turns > 0 { s.max_turns } else { info.max_turns }.max(1);
+        let limits = TurnLimits::resolve(&info, s.max_actions, s.max_actions_per_turn);
+        let system = scripts.prompt.system(&info)?;
+        let open_tag = if s.think { "<think>" } else { "<answer>" };
+        Ok(Self { info, max_turns, limits, system, open_ids: policy.encode_plain(open_tag)? })
+    }
+
+    /// Turn `turn` of `episode`: renders the observation, writes the user message with the
+    /// prompt template and pushes it onto `history`. `None` when the prompt leaves no room for a
+    /// full response within `rollout.max_context_tokens` (RAGEN max_model_len): the message is
+    /// taken back and the episode ends there, truncated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn open(
+        &self,
+        policy: &Policy,
+        scripts: &ExperimentScripts,
+        episode: &Episode,
+        history: &mut History,
+        turn: usize,
+        prev_reward: Option<f64>,
+        s: &Rollout,
+    ) -> Result<Option<OpenTurn>> {
+        let obs = episode.render()?;
+        let ctx = TurnContext {
+            turn,
+            obs: obs.clone(),
+            actions_left: self.limits.max_actions.saturating_sub(episode.steps),
+            prev_reward,
+            think: s.think,
+            max_tokens: s.response_length,
+            max_actions_per_turn: self.limits.max_actions_per_turn,
+            show_actions: s.show_actions,
+        };
+        let user = scripts.prompt.user(&self.info, &ctx)?;
+        history.push_user(user.clone());
+        let mut ids = policy.chat_tokens(&history.messages(s.context_window), true)?.ids;
+        ids.extend_from_slice(&self.open_ids);
+        if ids.len() + s.response_length > s.max_context_tokens {
+            history.turns.pop();
+            return Ok(None);
+        }
+        Ok(Some(OpenTurn { obs, user, ids }))
+    }
 }
 
 /// Indices of each group's trajectories, group-major.

@@ -9,6 +9,7 @@ pub mod new;
 pub mod play;
 pub mod plot;
 pub mod settings;
+pub mod sft;
 pub mod train;
 pub mod view;
 
@@ -27,6 +28,8 @@ pub struct Cli {
 pub enum Command {
     /// Train a policy with StarPO-S (default) or StarPO on an experiment script.
     Train(train::Args),
+    /// Warm-start a model before RL: fine-tune it on the env solver's demonstrations.
+    Sft(sft::Args),
     /// Play an environment script by hand or with a list of actions.
     Play(play::Args),
     /// Check a script: compile, contract, random episodes under the limits, determinism.
@@ -49,6 +52,7 @@ pub enum Command {
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train::run(a),
+        Command::Sft(a) => sft::run(a),
         Command::Play(a) => play::run(a),
         Command::Check(a) => check::run(a),
         Command::New(a) => new::run(a),

@@ -6,7 +6,9 @@
 //! `fn params()` (optional) → default parameters; `fn describe(params)` → #{name, instruction, …};
 //! `fn reset(seed, params)` → the state map; `fn render(state)` → the observation text;
 //! `fn step(state, action)` → #{reward, done, success?, valid?, effective?}, mutating `state`;
-//! `fn valid_actions(state)` (optional) → the actions worth listing now.
+//! `fn valid_actions(state)` (optional) → the actions worth listing now;
+//! `fn solve(state)` (optional) → a shortest action list from this state to success (`[]` or `()`
+//! when there is none or it is out of the solver's reach), for `ragen-lab sft`'s demonstrations.
 
 use rhai::Dynamic;
 use serde::{Deserialize, Serialize};
@@ -329,6 +331,38 @@ impl Episode {
                 "valid_actions",
                 ErrorKind::Contract,
                 format!("valid_actions must return an array of strings; got {}", type_word(&v)),
+            )),
+        }
+    }
+
+    /// Whether the env defines `solve(state)` (the optional solver).
+    pub fn has_solver(&self) -> bool {
+        self.env.0.has_fn("solve", 1)
+    }
+
+    /// The env's own solution from the current state: `solve(state)`'s action list, `Some([])`
+    /// when it found none (or the episode is already solved), `None` when the script defines no
+    /// `solve`. The solver sees a copy of the state, so it cannot change the episode, and no
+    /// random stream (`rng::` fails in it): a solution depends on the state alone.
+    pub fn solve(&self) -> Result<Option<Vec<String>>, ScriptError> {
+        if !self.has_solver() {
+            return Ok(None);
+        }
+        let v = self.env.0.call("solve", (self.state.flatten_clone(),), None)?;
+        if v.is_unit() {
+            return Ok(Some(Vec::new()));
+        }
+        match to_json(&v) {
+            Ok(Value::Array(a)) if a.iter().all(Value::is_string) => {
+                Ok(Some(a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect()))
+            }
+            _ => Err(self.env.0.error_in(
+                "solve",
+                ErrorKind::Contract,
+                format!(
+                    "solve must return an array of action names (or `()` when there is no solution); got {}",
+                    type_word(&v)
+                ),
             )),
         }
     }

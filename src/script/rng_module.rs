@@ -45,7 +45,7 @@ fn fail<T>(ctx: &NativeCallContext, msg: impl Into<String>) -> Res<T> {
 fn with_rng<T>(ctx: &NativeCallContext, f: impl FnOnce(&mut Rng) -> T) -> Res<T> {
     LENT.with(|l| match l.borrow_mut().as_mut() {
         Some(r) => Ok(f(r)),
-        None => fail(ctx, "rng:: functions work only inside reset and step (render, valid_actions, describe and params must not be random)"),
+        None => fail(ctx, "rng:: functions work only inside reset and step (render, valid_actions, solve, describe and params must not be random)"),
     })
 }
 

@@ -1,5 +1,6 @@
 //! StarPO and StarPO-S (RAGEN): settings with presets, per-group reward normalisation, the
-//! StarPO-S rollout filter, advantage estimators, the losses, the update, and the trainer loop.
+//! StarPO-S rollout filter, advantage estimators, the losses, the update, the trainer loop, and
+//! the supervised warm start from solver demonstrations (`sft`).
 //!
 //! Read `trainer.rs` top to bottom for the algorithm; the math lives in small pure modules.
 pub mod advantage;
@@ -11,6 +12,7 @@ pub mod optim;
 pub mod policy_bench;
 pub mod rundir;
 pub mod settings;
+pub mod sft;
 pub mod trainer;
 pub mod update;
 

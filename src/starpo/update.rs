@@ -54,7 +54,7 @@ pub struct Models<'a> {
 }
 
 /// Rows of `[B, T]` f32 from ragged vectors, zero-padded to `t`.
-fn rows_tensor(rows: &[Vec<f32>], t: usize, dev: &Device) -> Result<Tensor> {
+pub(super) fn rows_tensor(rows: &[Vec<f32>], t: usize, dev: &Device) -> Result<Tensor> {
     let mut data = Vec::with_capacity(rows.len() * t);
     for r in rows {
         data.extend_from_slice(&r[..r.len().min(t)]);
@@ -91,7 +91,7 @@ fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
 /// unshared rows of the longest trajectory. Rows of one group share their prompt, which runs
 /// once per micro-batch (nothing before the first assistant token is trained on), so a
 /// micro-batch holds as many rows as fit: a whole group when the prompt dominates.
-fn micro_batches(
+pub(super) fn micro_batches(
     seqs: &[&[u32]],
     masks: &[Vec<bool>],
     idx: &[usize],
