@@ -118,10 +118,14 @@ pub fn demonstrations(
             let take = k.min(max_actions.saturating_sub(episode.steps)).min(path.len());
             let response = answer_text(&path[..take], &path, s.think);
             let parsed = turns.limits.parse(&response, &turns.info, s.think);
-            let (applied, reward) =
-                apply_and_shape(&mut episode, &parsed, max_actions, &scripts.rewards, &turns.info.actions, |_, _, _| {
-                    Ok(())
-                })?;
+            let (applied, reward) = apply_and_shape(
+                &mut episode,
+                &parsed,
+                max_actions,
+                &scripts.rewards,
+                &turns.info.actions,
+                |_, _, _| Ok(()),
+            )?;
             success |= applied.success;
             history.push_assistant(parsed.reserialize());
             prev_reward = Some(reward);

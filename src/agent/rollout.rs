@@ -183,7 +183,9 @@ pub fn rollout(
             None
         },
         forcing: match (s.think, s.think_budget) {
-            (true, n) if n > 0 => Some(Forcing { after: n, unless: "</think>".into(), ids: policy.encode_plain(FORCED)? }),
+            (true, n) if n > 0 => {
+                Some(Forcing { after: n, unless: "</think>".into(), ids: policy.encode_plain(FORCED)? })
+            }
             _ => None,
         },
         ..GenerationConfig::default()

@@ -143,7 +143,12 @@ impl ChatTemplate {
         let enc = tok.encode(text.as_str(), false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
         let within = |spans: &[(usize, usize)], start: usize| spans.iter().any(|&(s, e)| start >= s && start < e);
         let assistant_mask: Vec<bool> = enc.get_offsets().iter().map(|&(start, _)| within(&spans, start)).collect();
-        let scored = enc.get_offsets().iter().zip(&assistant_mask).map(|(&(start, _), &a)| a && !within(&unscored, start)).collect();
+        let scored = enc
+            .get_offsets()
+            .iter()
+            .zip(&assistant_mask)
+            .map(|(&(start, _), &a)| a && !within(&unscored, start))
+            .collect();
         Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask, scored })
     }
 }
@@ -184,7 +189,13 @@ mod tests {
 
     #[test]
     fn an_unscored_range_stays_in_the_turn_but_leaves_the_loss_mask() {
-        let tok = train_bpe(&["Go Up or Down? <think>Up</think><answer>Down</answer>"], 400, &["<|im_start|>", "<|im_end|>"], &["</think>", "<answer>"]).unwrap();
+        let tok = train_bpe(
+            &["Go Up or Down? <think>Up</think><answer>Down</answer>"],
+            400,
+            &["<|im_start|>", "<|im_end|>"],
+            &["</think>", "<answer>"],
+        )
+        .unwrap();
         let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
         let content = "<think>Up</think><answer>Up</answer>";
         let forced = content.find("</think>").unwrap();

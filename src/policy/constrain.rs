@@ -149,7 +149,9 @@ impl AnswerGrammar {
             .iter()
             .map(|t| {
                 let b = t.as_bytes();
-                !b.is_empty() && first[b[0] as usize] && !b.iter().fold(states.clone(), |s, &c| self.step(&s, c)).is_empty()
+                !b.is_empty()
+                    && first[b[0] as usize]
+                    && !b.iter().fold(states.clone(), |s, &c| self.step(&s, c)).is_empty()
             })
             .collect();
         allowed.contains(&true).then_some(allowed)
@@ -172,7 +174,20 @@ mod tests {
                 assert!(g.allows("", &ok[..cut]), "{:?}", &ok[..cut]);
             }
         }
-        for bad in ["Upp ", "Up || Down || Up", "[your answer]", "Lef", "Up </answer> ", "||", "Up |x", "", "up", "  Up", "Up\n", "Up </Answer>"] {
+        for bad in [
+            "Upp ",
+            "Up || Down || Up",
+            "[your answer]",
+            "Lef",
+            "Up </answer> ",
+            "||",
+            "Up |x",
+            "",
+            "up",
+            "  Up",
+            "Up\n",
+            "Up </Answer>",
+        ] {
             assert!(!g.allows("", bad), "{bad:?}");
         }
         assert!(g.allows("Up ||", " Do") && !g.allows("Up ||", " Dx"));

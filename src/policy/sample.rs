@@ -276,7 +276,13 @@ impl Policy {
         let dev = self.device();
         let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, resume, cfg))?;
         let mut out: Vec<Generation> = (0..b)
-            .map(|_| Generation { ids: vec![], text: String::new(), logprobs: vec![], finish: Finish::Length, forced: false })
+            .map(|_| Generation {
+                ids: vec![],
+                text: String::new(),
+                logprobs: vec![],
+                finish: Finish::Length,
+                forced: false,
+            })
             .collect();
         let mut kept: Vec<Option<Resume>> = (0..b).map(|_| None).collect();
         // Row k of the cache holds the positions of `prompts[row]` and of the tokens fed after
