@@ -130,12 +130,12 @@ pub fn demonstrations(
             history.push_assistant(parsed.reserialize());
             prev_reward = Some(reward);
             rewards.push(reward);
-            let response_tokens = policy.encode(&response)?.len();
+            let response_tokens = policy.encode_plain(&response)?.len();
             stats.format_errors += usize::from(!parsed.format_ok);
             stats.invalid_actions += applied.invalid_actions.len();
             stats.over_response_length += usize::from(response_tokens > s.response_length);
             let think_tokens = match &parsed.think {
-                Some(t) => policy.encode(t)?.len(),
+                Some(t) => policy.encode_plain(t)?.len(),
                 None => 0,
             };
             let done = applied.done || turn == turns.max_turns;

@@ -261,7 +261,7 @@ pub fn rollout(
             ep.prev_reward = Some(reward);
             ep.done = applied.done || turn == max_turns;
             let think_tokens = match &parsed.think {
-                Some(t) if !t.is_empty() => policy.tokenizer.encode(t.as_str(), false).map(|e| e.len()).unwrap_or(0),
+                Some(t) if !t.is_empty() => policy.encode_plain(t)?.len(),
                 _ => 0,
             };
             ep.turns.push(TurnRecord {

@@ -1,7 +1,8 @@
 //! Presets: `tiny-llama` and `tiny-qwen2` for tests, `random-qwen2.5-0.5b` for measuring what
 //! a 0.5B model costs. Random weights of the real architectures with a
 //! small real tokenizer (byte-level BPE trained deterministically on a built-in corpus of
-//! general English, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML template). They are written to disk in the real formats (HF folder, GGUF) and loaded back
+//! general English, ChatML special tokens, RAGEN's tags as whole tokens, a ChatML template).
+//! They are written to disk in the real formats (HF folder, GGUF) and loaded back
 //! through the real loaders, so tests and quick runs exercise the same code as a pretrained model.
 use std::path::Path;
 

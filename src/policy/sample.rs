@@ -315,25 +315,28 @@ impl Policy {
                     out[row].forced = true;
                     to_force[row].extend(&f.ids);
                 }
-                let forced = to_force[row].pop_front();
-                let mask = match (&cfg.constraint, &token_texts, forced) {
-                    (_, _, Some(_)) => None,
-                    (Some(grammar), Some(texts), None) => {
-                        grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
+                // A forced id, else a draw: under a constraint, from the tokens that keep the
+                // answer well-formed (unmasked inside the think block or off the grammar).
+                let (id, lp) = if let Some(id) = to_force[row].pop_front() {
+                    (id, 0.0)
+                } else {
+                    let mask = match (&cfg.constraint, &token_texts) {
+                        (Some(grammar), Some(texts)) => {
+                            grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
+                        }
+                        _ => None,
+                    };
+                    match mask {
+                        Some(allowed) => {
+                            let masked: Vec<f32> = logits[k]
+                                .iter()
+                                .zip(allowed.iter().chain(std::iter::repeat(&false)))
+                                .map(|(&z, &ok)| if ok { z } else { f32::NEG_INFINITY })
+                                .collect();
+                            pick(&masked, cfg, rng)
+                        }
+                        None => pick(&logits[k], cfg, rng),
                     }
-                    _ => None,
-                };
-                let (id, lp) = match (forced, mask) {
-                    (Some(id), _) => (id, 0.0),
-                    (None, Some(allowed)) => {
-                        let masked: Vec<f32> = logits[k]
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &z)| if allowed.get(i) == Some(&true) { z } else { f32::NEG_INFINITY })
-                            .collect();
-                        pick(&masked, cfg, rng)
-                    }
-                    (None, None) => pick(&logits[k], cfg, rng),
                 };
                 if let Some(texts) = &token_texts {
                     replies[row].push_str(texts.get(id as usize).map_or("", String::as_str));
