@@ -11,9 +11,11 @@ const ORDER: &[(&str, u32)] = &[
     ("script", 0),
     ("policy", 1),
     ("agent", 1),
+    ("remote", 1),
     ("metrics", 2),
     ("starpo", 3),
     ("view", 4),
+    ("serve", 4),
     ("cli", 5),
 ];
 

@@ -2,8 +2,8 @@
 //! (RAGEN App. C: SFT on BFS trajectories). Each episode is played as the rollout plays it: the
 //! same [`Turns`] opens every turn (system and user messages, context window, limits, `think`),
 //! but instead of sampling, the answer is the first k actions of `solve(state)` on the current
-//! state (re-planned every turn, so a slip on the ice is corrected). The answer goes through the
-//! turn parser and `script::turn::apply_and_shape` like a sampled one, and the finished episode
+//! state (re-planned every turn, so a slip on the ice is corrected). The answer is taken by
+//! [`Play::take_reply`] like a sampled one, and the finished episode
 //! is packed like a trajectory (`Packed::from_history`): the loss mask covers the answers.
 //!
 //! The answer text is what the model would have generated after the opening tag:
@@ -16,11 +16,9 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::history::History;
 use super::pack::Packed;
-use super::rollout::{Rollout, TurnRecord, Turns};
+use super::rollout::{Play, Reply, Rollout, TurnRecord, Turns};
 use crate::policy::Policy;
-use crate::script::turn::apply_and_shape;
 use crate::script::ExperimentScripts;
 
 /// One solver-played episode.
@@ -88,18 +86,15 @@ pub fn demonstrations(
     s: &Rollout,
     mut on_episode: impl FnMut(&DemoStats),
 ) -> Result<(Vec<Demo>, DemoStats)> {
-    let turns = Turns::new(policy, scripts, params, s)?;
+    let turns = Turns::new(scripts, params, s)?;
     let (k, max_actions) = (turns.limits.max_actions_per_turn, turns.limits.max_actions);
     let mut stats = DemoStats::default();
     let mut demos = Vec::new();
     for &seed in seeds {
-        let mut episode = scripts.env.reset(seed, 0, params)?;
-        let mut history = History::new(&turns.system);
-        let (mut records, mut rewards) = (Vec::new(), Vec::new());
-        let (mut success, mut truncated, mut prev_reward) = (false, false, None);
+        let mut play = Play::new(scripts, 0, 0, seed, params, &turns.system)?;
         for turn in 1..=turns.max_turns {
             // 1. Plan from where the episode is now.
-            let Some(path) = episode.solve()? else {
+            let Some(path) = play.episode.solve()? else {
                 bail!(
                     "{} defines no `fn solve(state)`: demonstrations need the env's own solver (docs/training.md, \"Warm start from solvers\")",
                     scripts.env.name()
@@ -109,68 +104,41 @@ pub fn demonstrations(
                 break;
             }
             // 2. Open the turn exactly as the rollout does.
-            let Some(open) = turns.open(policy, scripts, &episode, &mut history, turn, prev_reward, s)? else {
-                truncated = true;
+            let Some(open) = turns.open(policy, scripts, &play.episode, &mut play.history, turn, play.prev_reward, s)?
+            else {
+                play.truncated = true;
                 break;
             };
             // 3. Answer with the plan's first k actions (never more than the episode has left),
-            // parsed and played like a sampled answer.
-            let take = k.min(max_actions.saturating_sub(episode.steps)).min(path.len());
-            let response = answer_text(&path[..take], &path, s.think);
-            let parsed = turns.limits.parse(&response, &turns.info, s.think);
-            let (applied, reward) = apply_and_shape(
-                &mut episode,
-                &parsed,
-                max_actions,
-                &scripts.rewards,
-                &turns.info.actions,
-                |_, _, _| Ok(()),
-            )?;
-            success |= applied.success;
-            history.push_assistant(parsed.reserialize());
-            prev_reward = Some(reward);
-            rewards.push(reward);
-            let response_tokens = policy.encode_plain(&response)?.len();
-            stats.format_errors += usize::from(!parsed.format_ok);
-            stats.invalid_actions += applied.invalid_actions.len();
-            stats.over_response_length += usize::from(response_tokens > s.response_length);
-            let think_tokens = match &parsed.think {
-                Some(t) => policy.encode_plain(t)?.len(),
-                None => 0,
-            };
-            let done = applied.done || turn == turns.max_turns;
-            records.push(TurnRecord {
-                user: open.user,
-                obs: open.obs,
-                response,
-                think: parsed.think,
-                answer: parsed.answer,
-                actions: parsed.actions,
-                invalid_actions: applied.invalid_actions,
-                format_ok: parsed.format_ok,
-                env_reward: applied.env_reward,
-                reward,
-                done,
-                response_tokens,
-                think_tokens,
-            });
-            if done {
+            // taken like a sampled answer.
+            let take = k.min(max_actions.saturating_sub(play.episode.steps)).min(path.len());
+            let text = answer_text(&path[..take], &path, s.think);
+            let tokens = policy.encode_plain(&text)?.len();
+            stats.over_response_length += usize::from(tokens > s.response_length);
+            let reply = Reply { text, tokens, forced: false };
+            play.take_reply(&turns, scripts, s, turn, (open.obs, open.user), reply, |t| Ok(policy.encode_plain(t)?.len()))?;
+            let taken = play.turns.last().expect("a turn was just taken");
+            stats.format_errors += usize::from(!taken.format_ok);
+            stats.invalid_actions += taken.invalid_actions.len();
+            if play.done {
                 break;
             }
         }
-        if records.is_empty() {
+        if play.turns.is_empty() {
             stats.unsolvable += 1;
             on_episode(&stats);
             continue;
         }
         // 4. Pack it as the rollout packs a trajectory.
-        let packed = Packed::from_history(policy, &history, &rewards, s.context_window)?;
+        let rewards: Vec<f64> = play.turns.iter().map(|t| t.reward).collect();
+        let packed = Packed::from_history(policy, &play.history, &rewards, s.context_window)?;
         stats.episodes += 1;
-        stats.solved += usize::from(success);
-        stats.turns += records.len();
+        stats.solved += usize::from(play.success);
+        stats.turns += play.turns.len();
         stats.tokens += packed.ids.len();
         stats.assistant_tokens += packed.assistant_tokens();
-        demos.push(Demo { seed, success, score: rewards.iter().sum(), turns: records, truncated, packed });
+        let score = rewards.iter().sum();
+        demos.push(Demo { seed, success: play.success, score, turns: play.turns, truncated: play.truncated, packed });
         on_episode(&stats);
     }
     Ok((demos, stats))

@@ -8,8 +8,8 @@ use anyhow::{bail, Result};
 use super::history::History;
 use crate::policy::{ChatTokens, Policy};
 
-/// One trajectory as the update sees it.
-#[derive(Clone, Debug, PartialEq)]
+/// One trajectory as the update sees it (empty for an episode played over HTTP: no tokens).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Packed {
     pub ids: Vec<u32>,
     /// True on the assistant tokens the model wrote (the loss mask; text the sampler forced

@@ -144,20 +144,123 @@ pub struct Trajectory {
     pub packed: Packed,
 }
 
-/// An episode in flight.
-struct Live {
-    group: usize,
-    index: usize,
-    episode: Episode,
-    history: History,
-    turns: Vec<TurnRecord>,
-    success: bool,
-    actions_valid: usize,
-    prev_reward: Option<f64>,
-    done: bool,
-    truncated: bool,
-    /// What the model computed for this episode last turn, to continue from.
-    resume: Option<Resume>,
+/// One episode being played turn by turn: its env state, its chat and the record of its turns.
+/// The rollout plays many at once with the in-process policy; `starpo::eval` plays them against
+/// an HTTP endpoint. Both hand each reply to [`Play::take_reply`].
+pub struct Play {
+    pub group: usize,
+    pub index: usize,
+    pub seed: u64,
+    pub episode: Episode,
+    pub history: History,
+    pub turns: Vec<TurnRecord>,
+    pub success: bool,
+    pub actions_valid: usize,
+    pub prev_reward: Option<f64>,
+    pub done: bool,
+    pub truncated: bool,
+}
+
+/// A reply to one turn, as the model wrote it.
+pub struct Reply {
+    pub text: String,
+    /// Generated tokens.
+    pub tokens: usize,
+    /// The sampler wrote `</think><answer>` itself (`rollout.think_budget`).
+    pub forced: bool,
+}
+
+impl Play {
+    pub fn new(scripts: &ExperimentScripts, group: usize, index: usize, seed: u64, params: &Map<String, Value>, system: &str) -> Result<Self> {
+        Ok(Self {
+            group,
+            index,
+            seed,
+            episode: scripts.env.reset(seed, index as u64, params)?,
+            history: History::new(system),
+            turns: Vec::new(),
+            success: false,
+            actions_valid: 0,
+            prev_reward: None,
+            done: false,
+            truncated: false,
+        })
+    }
+
+    /// The reply to turn `turn` (opened by [`Turns::open`] or [`Turns::user_turn`]): parse it,
+    /// step the env, shape the reward, put the re-serialised reply into the history and record
+    /// the turn. `count_tokens` measures the think text.
+    #[allow(clippy::too_many_arguments)]
+    pub fn take_reply(
+        &mut self,
+        turns: &Turns,
+        scripts: &ExperimentScripts,
+        s: &Rollout,
+        turn: usize,
+        (obs, user): (String, String),
+        reply: Reply,
+        count_tokens: impl Fn(&str) -> Result<usize>,
+    ) -> Result<()> {
+        let parsed: ParsedTurn = turns.limits.parse(&reply.text, &turns.info, s.think);
+        // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
+        // (RAGEN's format penalty included) is the experiment's reward scripts' job.
+        let (applied, reward) = apply_and_shape(
+            &mut self.episode,
+            &parsed,
+            turns.limits.max_actions,
+            &scripts.rewards,
+            &turns.info.actions,
+            |_, _, _| Ok(()),
+        )?;
+        self.actions_valid += applied.valid_steps();
+        self.success |= applied.success;
+        let mut message = Message::assistant(parsed.reserialize());
+        if reply.forced {
+            message.unscored = message.content.find(FORCED).map(|i| (i, i + FORCED.len()));
+        }
+        self.history.push_reply(message);
+        self.prev_reward = Some(reward);
+        self.done = applied.done || turn == turns.max_turns;
+        let think_tokens = match &parsed.think {
+            Some(t) if !t.is_empty() => count_tokens(t)?,
+            _ => 0,
+        };
+        self.turns.push(TurnRecord {
+            user,
+            obs,
+            response: reply.text,
+            think: parsed.think,
+            answer: parsed.answer,
+            actions: parsed.actions,
+            invalid_actions: applied.invalid_actions,
+            format_ok: parsed.format_ok,
+            env_reward: applied.env_reward,
+            reward,
+            done: self.done,
+            response_tokens: reply.tokens,
+            think_tokens,
+        });
+        Ok(())
+    }
+
+    /// The finished episode, with its packed sequence (empty where there are no tokens: an
+    /// episode played over HTTP).
+    pub fn finish(self, system: &str, versions: &Versions, packed: Packed) -> Trajectory {
+        Trajectory {
+            group: self.group,
+            episode: self.index,
+            seed: self.seed,
+            success: self.success,
+            score: self.turns.iter().map(|t| t.reward).sum(),
+            system: system.to_string(),
+            turns: self.turns,
+            versions: versions.clone(),
+            actions_taken: self.episode.steps,
+            actions_valid: self.actions_valid,
+            truncated: self.truncated,
+            packed,
+        }
+    }
 }
 
 /// Run a rollout. `rng` drives sampling; env randomness comes from (seed, episode index).
@@ -168,9 +271,8 @@ pub fn rollout(
     s: &Rollout,
     rng: &mut Rng,
 ) -> Result<Vec<Trajectory>> {
-    let turns = Turns::new(policy, scripts, &plan.params, s)?;
+    let turns = Turns::new(scripts, &plan.params, s)?;
     let (info, max_turns, limits, system) = (&turns.info, turns.max_turns, turns.limits, &turns.system);
-    let max_actions = limits.max_actions;
     let gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
         temperature: plan.temperature,
@@ -194,32 +296,22 @@ pub fn rollout(
     let mut live = Vec::new();
     for (group, &seed) in plan.seeds.iter().enumerate() {
         for index in 0..plan.group_size {
-            live.push(Live {
-                group,
-                index,
-                episode: scripts.env.reset(seed, index as u64, &plan.params)?,
-                history: History::new(system),
-                turns: Vec::new(),
-                success: false,
-                actions_valid: 0,
-                prev_reward: None,
-                done: false,
-                truncated: false,
-                resume: None,
-            });
+            live.push(Play::new(scripts, group, index, seed, &plan.params, system)?);
         }
     }
+    // What the model computed for each episode last turn, to continue from.
+    let mut resumes: Vec<Option<Resume>> = (0..live.len()).map(|_| None).collect();
 
     for turn in 1..=max_turns {
         // 1. Prompts of every live episode.
-        let mut batch = Vec::new(); // (episode index, prompt ids, obs, user text)
+        let mut batch = Vec::new(); // (episode index, prompt ids, (obs, user text))
         for (i, ep) in live.iter_mut().enumerate().filter(|(_, e)| !e.done) {
             let Some(open) = turns.open(policy, scripts, &ep.episode, &mut ep.history, turn, ep.prev_reward, s)? else {
                 ep.done = true;
                 ep.truncated = true;
                 continue;
             };
-            batch.push((i, open.ids, open.obs, open.user));
+            batch.push((i, open.ids, (open.obs, open.user)));
         }
         if batch.is_empty() {
             break;
@@ -227,58 +319,23 @@ pub fn rollout(
         // 2. All live episodes generate together, each continuing from what the model computed
         // for it last turn (the new prompt repeats the old one and the reply).
         let prompts: Vec<Vec<u32>> = batch.iter().map(|b| b.1.clone()).collect();
-        let resume: Vec<Option<Resume>> = batch.iter().map(|b| live[b.0].resume.take()).collect();
+        let resume: Vec<Option<Resume>> = batch.iter().map(|b| resumes[b.0].take()).collect();
         let keep = turn < max_turns && s.kv_cache_mb > 0;
-        let (gens, resumes) =
+        let (gens, kept) =
             policy.generate_resuming(&prompts, &resume, keep, &gen_cfg, rng).context("generating responses")?;
         drop(resume);
         // Keep them for the next turn while they fit the budget.
         let mut budget = s.kv_cache_mb << 20;
-        for ((i, ..), r) in batch.iter().zip(resumes) {
+        for ((i, ..), r) in batch.iter().zip(kept) {
             if let Some(r) = r.filter(|r| r.bytes() <= budget) {
                 budget -= r.bytes();
-                live[*i].resume = Some(r);
+                resumes[*i] = Some(r);
             }
         }
         // 3. Parse, step, shape.
-        for ((i, _, obs, user), gen) in batch.into_iter().zip(gens) {
-            let ep = &mut live[i];
-            let parsed: ParsedTurn = limits.parse(&gen.text, info, s.think);
-            // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
-            // (RAGEN's format penalty included) is the experiment's reward scripts' job.
-            let (applied, reward) =
-                apply_and_shape(&mut ep.episode, &parsed, max_actions, &scripts.rewards, &info.actions, |_, _, _| {
-                    Ok(())
-                })?;
-            ep.actions_valid += applied.valid_steps();
-            ep.success |= applied.success;
-            let (env_reward, invalid) = (applied.env_reward, applied.invalid_actions);
-            let mut reply = Message::assistant(parsed.reserialize());
-            if gen.forced {
-                reply.unscored = reply.content.find(FORCED).map(|i| (i, i + FORCED.len()));
-            }
-            ep.history.push_reply(reply);
-            ep.prev_reward = Some(reward);
-            ep.done = applied.done || turn == max_turns;
-            let think_tokens = match &parsed.think {
-                Some(t) if !t.is_empty() => policy.encode_plain(t)?.len(),
-                _ => 0,
-            };
-            ep.turns.push(TurnRecord {
-                user,
-                obs,
-                response: gen.text,
-                think: parsed.think,
-                answer: parsed.answer,
-                actions: parsed.actions,
-                invalid_actions: invalid,
-                format_ok: parsed.format_ok,
-                env_reward,
-                reward,
-                done: ep.done,
-                response_tokens: gen.ids.len(),
-                think_tokens,
-            });
+        for ((i, _, opened), gen) in batch.into_iter().zip(gens) {
+            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced };
+            live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
         }
     }
 
@@ -288,20 +345,7 @@ pub fn rollout(
         .map(|ep| {
             let rewards: Vec<f64> = ep.turns.iter().map(|t| t.reward).collect();
             let packed = Packed::from_history(policy, &ep.history, &rewards, s.context_window)?;
-            Ok(Trajectory {
-                group: ep.group,
-                episode: ep.index,
-                seed: plan.seeds[ep.group],
-                success: ep.success,
-                score: rewards.iter().sum(),
-                system: system.clone(),
-                turns: ep.turns,
-                versions: versions.clone(),
-                actions_taken: ep.episode.steps,
-                actions_valid: ep.actions_valid,
-                truncated: ep.truncated,
-                packed,
-            })
+            Ok(ep.finish(system, &versions, packed))
         })
         .collect()
 }
@@ -316,8 +360,8 @@ pub struct Turns {
     pub max_turns: usize,
     pub limits: TurnLimits,
     pub system: String,
-    /// `<think>` (think mode) or `<answer>`, tokenized: generation starts after it.
-    pub open_ids: Vec<u32>,
+    /// `<think>` (think mode) or `<answer>`: generation starts after it.
+    pub open_tag: &'static str,
 }
 
 /// One opened turn: the observation, the user message, and the prompt the model continues.
@@ -329,13 +373,13 @@ pub struct OpenTurn {
 }
 
 impl Turns {
-    pub fn new(policy: &Policy, scripts: &ExperimentScripts, params: &Map<String, Value>, s: &Rollout) -> Result<Self> {
+    pub fn new(scripts: &ExperimentScripts, params: &Map<String, Value>, s: &Rollout) -> Result<Self> {
         let info = scripts.env.info(params)?;
         let max_turns = if s.max_turns > 0 { s.max_turns } else { info.max_turns }.max(1);
         let limits = TurnLimits::resolve(&info, s.max_actions, s.max_actions_per_turn);
         let system = scripts.prompt.system(&info)?;
         let open_tag = if s.think { "<think>" } else { "<answer>" };
-        Ok(Self { info, max_turns, limits, system, open_ids: policy.encode_plain(open_tag)? })
+        Ok(Self { info, max_turns, limits, system, open_tag })
     }
 
     /// Turn `turn` of `episode`: renders the observation, writes the user message with the
@@ -353,6 +397,27 @@ impl Turns {
         prev_reward: Option<f64>,
         s: &Rollout,
     ) -> Result<Option<OpenTurn>> {
+        let (obs, user) = self.user_turn(scripts, episode, history, turn, prev_reward, s)?;
+        let mut ids = policy.chat_tokens(&history.messages(s.context_window), true)?.ids;
+        ids.extend(policy.encode_plain(self.open_tag)?);
+        if ids.len() + s.response_length > s.max_context_tokens {
+            history.turns.pop();
+            return Ok(None);
+        }
+        Ok(Some(OpenTurn { obs, user, ids }))
+    }
+
+    /// The text half of [`Turns::open`]: renders the observation, writes the user message with
+    /// the prompt template and pushes it onto `history`; returns (observation, user message).
+    pub fn user_turn(
+        &self,
+        scripts: &ExperimentScripts,
+        episode: &Episode,
+        history: &mut History,
+        turn: usize,
+        prev_reward: Option<f64>,
+        s: &Rollout,
+    ) -> Result<(String, String)> {
         let obs = episode.render()?;
         let ctx = TurnContext {
             turn,
@@ -366,13 +431,7 @@ impl Turns {
         };
         let user = scripts.prompt.user(&self.info, &ctx)?;
         history.push_user(user.clone());
-        let mut ids = policy.chat_tokens(&history.messages(s.context_window), true)?.ids;
-        ids.extend_from_slice(&self.open_ids);
-        if ids.len() + s.response_length > s.max_context_tokens {
-            history.turns.pop();
-            return Ok(None);
-        }
-        Ok(Some(OpenTurn { obs, user, ids }))
+        Ok((obs, user))
     }
 }
 

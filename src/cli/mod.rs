@@ -4,10 +4,12 @@ use clap::{Parser, Subcommand};
 
 pub mod bench;
 pub mod check;
+pub mod eval;
 pub mod model;
 pub mod new;
 pub mod play;
 pub mod plot;
+pub mod serve;
 pub mod settings;
 pub mod sft;
 pub mod train;
@@ -30,6 +32,10 @@ pub enum Command {
     Train(train::Args),
     /// Warm-start a model before RL: fine-tune it on the env solver's demonstrations.
     Sft(sft::Args),
+    /// Evaluate a model served over HTTP (OpenAI-compatible) on an experiment's validation episodes.
+    Eval(eval::Args),
+    /// Serve a model, checkpoint or LoRA adapter over an OpenAI-compatible HTTP API.
+    Serve(serve::Args),
     /// Play an environment script by hand or with a list of actions.
     Play(play::Args),
     /// Check a script: compile, contract, random episodes under the limits, determinism.
@@ -53,6 +59,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train::run(a),
         Command::Sft(a) => sft::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Play(a) => play::run(a),
         Command::Check(a) => check::run(a),
         Command::New(a) => new::run(a),

@@ -709,7 +709,7 @@ fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
 }
 
 /// One trajectory line (docs/contracts.md "Trajectory line").
-fn trajectory_line(step: u64, t: &Trajectory, normalized: Option<f64>, advantage: Option<f64>, kept: bool) -> Value {
+pub(crate) fn trajectory_line(step: u64, t: &Trajectory, normalized: Option<f64>, advantage: Option<f64>, kept: bool) -> Value {
     let mut v = json!({
         "step": step, "group": t.group, "episode": t.episode, "seed": t.seed, "success": t.success,
         "score": t.score, "kept": kept, "response_tokens": t.turns.iter().map(|u| u.response_tokens).sum::<usize>(),

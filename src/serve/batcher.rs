@@ -1,0 +1,78 @@
+//! One thread owns generation: requests that arrive while a batch runs wait, and the next batch
+//! takes the oldest one together with every waiting request that samples the same way (equal
+//! `GenerationConfig`), up to `max_batch` rows, into one call of the batched sampler. Concurrent
+//! clients therefore share forward passes, as in a continuous-batching engine, at the grain of
+//! whole requests.
+use std::collections::VecDeque;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::policy::{Generation, GenerationConfig, Policy};
+use crate::rng::Rng;
+
+/// How long the first request of an idle server waits for others that arrive with it.
+const GATHER: Duration = Duration::from_millis(5);
+
+/// One request for the sampler.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub cfg: GenerationConfig,
+    /// Each id as it is sampled (streaming); dropped when the generation ends.
+    pub tokens: Option<Sender<u32>>,
+    pub reply: Sender<Result<Generation, String>>,
+}
+
+/// Starts the generation thread; jobs go to the returned sender.
+pub fn start(policy: Arc<Policy>, max_batch: usize, seed: u64) -> Sender<Job> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || run(&policy, &rx, max_batch.max(1), seed));
+    tx
+}
+
+fn run(policy: &Policy, rx: &Receiver<Job>, max_batch: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let mut waiting: VecDeque<Job> = VecDeque::new();
+    loop {
+        if waiting.is_empty() {
+            let Ok(job) = rx.recv() else { return };
+            waiting.push_back(job);
+            let until = Instant::now() + GATHER;
+            while waiting.len() < max_batch {
+                match rx.recv_timeout(until.saturating_duration_since(Instant::now())) {
+                    Ok(job) => waiting.push_back(job),
+                    Err(_) => break,
+                }
+            }
+        }
+        waiting.extend(rx.try_iter());
+        let cfg = waiting[0].cfg.clone();
+        let (mut batch, mut rest) = (Vec::new(), VecDeque::new());
+        for job in waiting.drain(..) {
+            if batch.len() < max_batch && job.cfg == cfg {
+                batch.push(job);
+            } else {
+                rest.push_back(job);
+            }
+        }
+        waiting = rest;
+        let prompts: Vec<Vec<u32>> = batch.iter().map(|j| j.prompt.clone()).collect();
+        let result = policy.generate_with(&prompts, &cfg, &mut rng, |row, id| {
+            if let Some(tx) = &batch[row].tokens {
+                let _ = tx.send(id);
+            }
+        });
+        match result {
+            Ok(gens) => {
+                for (job, gen) in batch.into_iter().zip(gens) {
+                    let _ = job.reply.send(Ok(gen));
+                }
+            }
+            Err(e) => {
+                for job in batch {
+                    let _ = job.reply.send(Err(format!("generation failed: {e:#}")));
+                }
+            }
+        }
+    }
+}
