@@ -153,7 +153,8 @@ fn chat_request(stream: bool) -> ChatRequest {
 
 #[test]
 fn a_streamed_reply_arrives_in_pieces_that_make_the_whole_reply() {
-    let whole: ChatResponse = Endpoint::new(&url(), None, Duration::from_secs(60)).unwrap().chat(&chat_request(false)).unwrap();
+    let whole: ChatResponse =
+        Endpoint::new(&url(), None, Duration::from_secs(60)).unwrap().chat(&chat_request(false)).unwrap();
     let body = ureq::post(&format!("{}/chat/completions", url()))
         .send_json(serde_json::to_value(chat_request(true)).unwrap())
         .unwrap()
@@ -176,7 +177,12 @@ fn completions_take_ids_and_return_ids_with_the_models_logprobs() {
     let req = CompletionRequest {
         model: "tiny-llama".into(),
         prompt: Prompt::Ids(prompt.clone()),
-        sampling: Sampling { max_tokens: Some(6), temperature: Some(1.0), return_token_ids: Some(true), ..Sampling::default() },
+        sampling: Sampling {
+            max_tokens: Some(6),
+            temperature: Some(1.0),
+            return_token_ids: Some(true),
+            ..Sampling::default()
+        },
         logprobs: Some(0),
     };
     let resp = Endpoint::new(&url(), None, Duration::from_secs(60)).unwrap().completions(&req).unwrap();

@@ -104,7 +104,8 @@ pub fn demonstrations(
                 break;
             }
             // 2. Open the turn exactly as the rollout does.
-            let Some(open) = turns.open(policy, scripts, &play.episode, &mut play.history, turn, play.prev_reward, s)?
+            let Some(open) =
+                turns.open(policy, scripts, &play.episode, &mut play.history, turn, play.prev_reward, s)?
             else {
                 play.truncated = true;
                 break;
@@ -116,7 +117,9 @@ pub fn demonstrations(
             let tokens = policy.encode_plain(&text)?.len();
             stats.over_response_length += usize::from(tokens > s.response_length);
             let reply = Reply { text, tokens, forced: false };
-            play.take_reply(&turns, scripts, s, turn, (open.obs, open.user), reply, |t| Ok(policy.encode_plain(t)?.len()))?;
+            play.take_reply(&turns, scripts, s, turn, (open.obs, open.user), reply, |t| {
+                Ok(policy.encode_plain(t)?.len())
+            })?;
             let taken = play.turns.last().expect("a turn was just taken");
             stats.format_errors += usize::from(!taken.format_ok);
             stats.invalid_actions += taken.invalid_actions.len();

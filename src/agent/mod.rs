@@ -4,6 +4,7 @@
 //! supervised warm start (`demo`). Turn parsing and applying a turn to an
 //! episode are pure script-side work (`script::turn`), shared with `play` and `check`.
 pub mod demo;
+pub mod engine;
 pub mod history;
 pub mod pack;
 pub mod rollout;

@@ -11,6 +11,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::engine::HttpEngine;
 use super::history::History;
 use super::pack::Packed;
 use crate::policy::constrain::AnswerGrammar;
@@ -65,6 +66,14 @@ settings_section! {
         kv_cache_mb: usize = 2048,
         /// First training seed (RAGEN seed.train); each step's P groups take the next P seeds.
         seed_base: u64 = 10000,
+        /// Who generates: "local" (this process's sampler) or "http" (inference engines at
+        /// `rollout.endpoints`: `ragen-lab serve`, vLLM, SGLang; token ids end to end, weights
+        /// pushed after every update; see docs/scale.md).
+        backend: String = "local".to_string(),
+        /// With backend "http": the engines' URLs, comma-separated (`http://host:8000/v1,…`).
+        endpoints: String = String::new(),
+        /// With backend "http": the base model's name at the engines ("" = the first listed).
+        engine_model: String = String::new(),
     }
 }
 
@@ -171,7 +180,14 @@ pub struct Reply {
 }
 
 impl Play {
-    pub fn new(scripts: &ExperimentScripts, group: usize, index: usize, seed: u64, params: &Map<String, Value>, system: &str) -> Result<Self> {
+    pub fn new(
+        scripts: &ExperimentScripts,
+        group: usize,
+        index: usize,
+        seed: u64,
+        params: &Map<String, Value>,
+        system: &str,
+    ) -> Result<Self> {
         Ok(Self {
             group,
             index,
@@ -263,9 +279,11 @@ impl Play {
     }
 }
 
-/// Run a rollout. `rng` drives sampling; env randomness comes from (seed, episode index).
+/// Run a rollout. `rng` drives sampling; env randomness comes from (seed, episode index). With
+/// an `engine` the replies are generated there (`policy` still tokenizes and packs).
 pub fn rollout(
     policy: &Policy,
+    engine: Option<&HttpEngine>,
     scripts: &ExperimentScripts,
     plan: &Plan,
     s: &Rollout,
@@ -321,8 +339,10 @@ pub fn rollout(
         let prompts: Vec<Vec<u32>> = batch.iter().map(|b| b.1.clone()).collect();
         let resume: Vec<Option<Resume>> = batch.iter().map(|b| resumes[b.0].take()).collect();
         let keep = turn < max_turns && s.kv_cache_mb > 0;
-        let (gens, kept) =
-            policy.generate_resuming(&prompts, &resume, keep, &gen_cfg, rng).context("generating responses")?;
+        let (gens, kept) = match engine {
+            Some(e) => (e.generate(&prompts, &gen_cfg, rng).context("generating on the engines")?, Vec::new()),
+            None => policy.generate_resuming(&prompts, &resume, keep, &gen_cfg, rng).context("generating responses")?,
+        };
         drop(resume);
         // Keep them for the next turn while they fit the budget.
         let mut budget = s.kv_cache_mb << 20;

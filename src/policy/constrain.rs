@@ -50,6 +50,13 @@ impl AnswerGrammar {
         (!actions.is_empty()).then_some(Self { actions, max_actions: max_actions.max(1), starts_inside })
     }
 
+    /// What it was built from: (action names, most actions per answer, starts inside), to send
+    /// to an engine that builds its own (`answer_grammar` of `ragen-lab serve`).
+    pub fn parts(&self) -> (Vec<String>, usize, bool) {
+        let names = self.actions.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        (names, self.max_actions, self.starts_inside)
+    }
+
     /// The part of a reply the grammar governs: all of it in no-think mode, else what follows
     /// the first `<answer>`; `None` while the reply is still outside the answer.
     pub fn answer_part<'a>(&self, reply: &'a str) -> Option<&'a str> {

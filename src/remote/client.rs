@@ -22,6 +22,8 @@ pub struct Endpoint {
     pub backoff: Duration,
     /// Retries made so far (all requests together).
     pub retried: AtomicUsize,
+    /// Connections that failed or dropped (the server may have restarted since).
+    pub dropped: AtomicUsize,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -51,6 +53,7 @@ impl Endpoint {
             retries: 5,
             backoff: Duration::from_millis(500),
             retried: AtomicUsize::new(0),
+            dropped: AtomicUsize::new(0),
         })
     }
 
@@ -68,12 +71,29 @@ impl Endpoint {
         Ok(v["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str().map(String::from)).collect())
     }
 
-    fn request(&self, method: &str, path: &str) -> ureq::Request {
-        let r = self.agent.request(method, &format!("{}{path}", self.base));
+    /// POST `body` to `path` under the API root; the answer's body is not read.
+    pub fn post_value(&self, path: &str, body: &impl Serialize) -> Result<()> {
+        let body = serde_json::to_value(body)?;
+        self.send::<serde_json::Value>(|| self.request("POST", path).send_json(&body)).map(drop)
+    }
+
+    /// The same at the server root (SGLang's admin routes are not under /v1).
+    pub fn post_value_at_root(&self, path: &str, body: &impl Serialize) -> Result<()> {
+        let body = serde_json::to_value(body)?;
+        let root = self.base.trim_end_matches("/v1");
+        self.send::<serde_json::Value>(|| self.with_key(self.agent.post(&format!("{root}{path}"))).send_json(&body))
+            .map(drop)
+    }
+
+    fn with_key(&self, r: ureq::Request) -> ureq::Request {
         match &self.api_key {
             Some(k) => r.set("Authorization", &format!("Bearer {k}")),
             None => r,
         }
+    }
+
+    fn request(&self, method: &str, path: &str) -> ureq::Request {
+        self.with_key(self.agent.request(method, &format!("{}{path}", self.base)))
     }
 
     fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize, model: &str) -> Result<T> {
@@ -106,9 +126,11 @@ impl Endpoint {
                     return Err(Refused { code, message: msg }.into());
                 }
                 Err(ureq::Error::Transport(_)) if !last => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
                     std::thread::sleep(wait);
                 }
                 Err(ureq::Error::Transport(t)) => {
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
                     bail!(
                         "cannot reach {} after {} attempts ({t}): is the server running, and is --endpoint right?",
                         self.base,

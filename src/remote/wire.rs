@@ -43,6 +43,38 @@ pub struct Sampling {
     /// Extension: `prompt_token_ids` and `token_ids` on each choice (vLLM).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub return_token_ids: Option<bool>,
+    /// Extension of `ragen-lab serve` (other engines ignore it): constrain the answer to the
+    /// env's action names, as `rollout.constrain_actions` does in process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_grammar: Option<AnswerSpec>,
+}
+
+/// `answer_grammar`: at most `max_actions` of `actions`, `A || B`, then `</answer>`; with
+/// `starts_inside` false the answer begins after the first `<answer>` the model writes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AnswerSpec {
+    pub actions: Vec<String>,
+    pub max_actions: usize,
+    pub starts_inside: bool,
+}
+
+/// `POST /v1/load_lora_adapter` (vLLM; SGLang's `/load_lora_adapter` takes the same body): a
+/// PEFT adapter folder, then requested by `lora_name` as the `model`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadLora {
+    pub lora_name: String,
+    pub lora_path: String,
+    /// Replace an adapter already loaded under this name (vLLM `load_inplace`).
+    #[serde(default)]
+    pub load_inplace: bool,
+}
+
+/// `POST /update_weights_from_disk` (SGLang): replace the served weights with a model folder.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UpdateFromDisk {
+    pub model_path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_version: Option<String>,
 }
 
 /// `stop`: one string or a list.

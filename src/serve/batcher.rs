@@ -1,6 +1,6 @@
 //! One thread owns generation: requests that arrive while a batch runs wait, and the next batch
-//! takes the oldest one together with every waiting request that samples the same way (equal
-//! `GenerationConfig`), up to `max_batch` rows, into one call of the batched sampler. Concurrent
+//! takes the oldest one together with every waiting request for the same weights that samples
+//! the same way (equal `GenerationConfig`), up to `max_batch` rows, into one call of the batched sampler. Concurrent
 //! clients therefore share forward passes, as in a continuous-batching engine, at the grain of
 //! whole requests.
 use std::collections::VecDeque;
@@ -16,6 +16,8 @@ const GATHER: Duration = Duration::from_millis(5);
 
 /// One request for the sampler.
 pub struct Job {
+    /// The weights asked for (the base model or an adapter on it).
+    pub policy: Arc<Policy>,
     pub prompt: Vec<u32>,
     pub cfg: GenerationConfig,
     /// Each id as it is sampled (streaming); dropped when the generation ends.
@@ -24,13 +26,13 @@ pub struct Job {
 }
 
 /// Starts the generation thread; jobs go to the returned sender.
-pub fn start(policy: Arc<Policy>, max_batch: usize, seed: u64) -> Sender<Job> {
+pub fn start(max_batch: usize, seed: u64) -> Sender<Job> {
     let (tx, rx) = channel();
-    std::thread::spawn(move || run(&policy, &rx, max_batch.max(1), seed));
+    std::thread::spawn(move || run(&rx, max_batch.max(1), seed));
     tx
 }
 
-fn run(policy: &Policy, rx: &Receiver<Job>, max_batch: usize, seed: u64) {
+fn run(rx: &Receiver<Job>, max_batch: usize, seed: u64) {
     let mut rng = Rng::new(seed);
     let mut waiting: VecDeque<Job> = VecDeque::new();
     loop {
@@ -46,10 +48,10 @@ fn run(policy: &Policy, rx: &Receiver<Job>, max_batch: usize, seed: u64) {
             }
         }
         waiting.extend(rx.try_iter());
-        let cfg = waiting[0].cfg.clone();
+        let (cfg, policy) = (waiting[0].cfg.clone(), waiting[0].policy.clone());
         let (mut batch, mut rest) = (Vec::new(), VecDeque::new());
         for job in waiting.drain(..) {
-            if batch.len() < max_batch && job.cfg == cfg {
+            if batch.len() < max_batch && job.cfg == cfg && Arc::ptr_eq(&job.policy, &policy) {
                 batch.push(job);
             } else {
                 rest.push_back(job);

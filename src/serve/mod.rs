@@ -2,8 +2,10 @@
 //! checkpoint or a LoRA adapter. Routes: `GET /health`, `GET /v1/models`,
 //! `POST /v1/chat/completions` and `POST /v1/completions`, streaming (server-sent events) or
 //! not, with the sampled tokens' log-probs and token ids in and out (see `remote::wire` for the
-//! extensions). Every request runs on its own thread; generation runs on one (`batcher`), which
-//! batches concurrent requests into the batched sampler.
+//! extensions). Weights change as on the engines an RL run syncs to: `POST /v1/load_lora_adapter`
+//! and `/v1/unload_lora_adapter` (vLLM's routes and bodies; the adapter is then requested by
+//! name) and `POST /update_weights_from_disk` (SGLang's). Every request runs on its own thread;
+//! generation runs on one (`batcher`), which batches concurrent requests into the sampler.
 //!
 //! Log-probs are those of the sampling distribution, softmax(logits / temperature) before top-k
 //! and top-p, the distribution RL trains on (at temperature 1 they are the raw ones; vLLM's
@@ -14,16 +16,17 @@ use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use anyhow::{anyhow, Context, Result};
 use serde_json::{json, Value};
 use tiny_http::{Header, Method, Request, Response, Server};
 
+use crate::policy::constrain::AnswerGrammar;
 use crate::policy::{device, lora, Finish, Generation, GenerationConfig, Message, Policy};
 use crate::remote::wire::{
-    error_body, ChatChoice, ChatLogprobs, ChatMessage, ChatRequest, ChatResponse, CompletionChoice,
-    CompletionLogprobs, CompletionRequest, CompletionResponse, Prompt, Sampling, TokenLogprob, Usage,
+    error_body, ChatChoice, ChatLogprobs, ChatMessage, ChatRequest, ChatResponse, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, LoadLora, Prompt, Sampling, TokenLogprob, UpdateFromDisk, Usage,
 };
 use crate::starpo::rundir::{now, RunDir};
 use batcher::Job;
@@ -48,9 +51,25 @@ pub struct Options {
 
 /// What every request handler shares.
 struct Served {
-    policy: Arc<Policy>,
-    name: String,
+    /// The served weights by the name clients ask for: the base model first, then the adapters
+    /// loaded on it (`/v1/load_lora_adapter`).
+    models: RwLock<Vec<(String, Arc<Policy>)>>,
     jobs: Sender<Job>,
+}
+
+impl Served {
+    fn base(&self) -> (String, Arc<Policy>) {
+        self.models.read().expect("models lock")[0].clone()
+    }
+
+    fn get(&self, model: &str) -> Result<Arc<Policy>, Refusal> {
+        let models = self.models.read().expect("models lock");
+        if let Some((_, p)) = models.iter().find(|(n, _)| n == model) {
+            return Ok(p.clone());
+        }
+        let names: Vec<&str> = models.iter().map(|(n, _)| n.as_str()).collect();
+        Err(Refusal(404, format!("The model `{model}` does not exist; this server has `{}`.", names.join("`, `"))))
+    }
 }
 
 /// Loads the model, binds `ip:port`, calls `ready` with the address, then serves until the
@@ -60,8 +79,9 @@ pub fn serve(opts: Options, ready: impl FnOnce(SocketAddr)) -> Result<()> {
     let server = Server::http((opts.ip, opts.port))
         .map_err(|e| anyhow!("cannot listen on {}:{} ({e}); in use? pick another --port", opts.ip, opts.port))?;
     let addr = server.server_addr().to_ip().ok_or_else(|| anyhow!("listening on {}: no IP address", opts.ip))?;
-    let jobs = batcher::start(policy.clone(), opts.max_batch, opts.seed);
-    let served = Arc::new(Served { policy, name: opts.name.unwrap_or(opts.model), jobs });
+    let jobs = batcher::start(opts.max_batch, opts.seed);
+    let name = opts.name.unwrap_or(opts.model);
+    let served = Arc::new(Served { models: RwLock::new(vec![(name, policy)]), jobs });
     ready(addr);
     for request in server.incoming_requests() {
         let served = served.clone();
@@ -113,8 +133,21 @@ fn answer(served: &Served, mut request: Request) -> std::io::Result<()> {
     let result = match (request.method(), path.as_str()) {
         _ if read.is_err() => Err(bad("the request body is not UTF-8 text")),
         (Method::Get, "/health") => Ok(json!({"status": "ok"})),
-        (Method::Get, "/v1/models") => Ok(json!({"object": "list", "data": [
-            {"id": served.name, "object": "model", "created": 0, "owned_by": "ragen-lab"}]})),
+        (Method::Get, "/v1/models") => {
+            let models = served.models.read().expect("models lock");
+            let data: Vec<Value> = models
+                .iter()
+                .map(|(id, _)| json!({"id": id, "object": "model", "created": 0, "owned_by": "ragen-lab"}))
+                .collect();
+            Ok(json!({"object": "list", "data": data}))
+        }
+        (Method::Post, "/v1/load_lora_adapter" | "/load_lora_adapter") => {
+            parse(&body).and_then(|r| load_lora(served, r))
+        }
+        (Method::Post, "/v1/unload_lora_adapter" | "/unload_lora_adapter") => {
+            parse::<Value>(&body).and_then(|r| unload_lora(served, r["lora_name"].as_str().unwrap_or_default()))
+        }
+        (Method::Post, "/update_weights_from_disk") => parse(&body).and_then(|r| update_from_disk(served, r)),
         (Method::Post, "/v1/chat/completions") => match parse::<ChatRequest>(&body) {
             Ok(req) => return chat(served, request, req),
             Err(r) => Err(r),
@@ -146,17 +179,15 @@ fn respond(request: Request, result: Result<Value, Refusal>) -> std::io::Result<
 
 /// What a request asks the sampler, checked.
 struct Asked {
+    policy: Arc<Policy>,
     prompt: Vec<u32>,
     cfg: GenerationConfig,
     stops: Vec<String>,
     keep_stop: bool,
 }
 
-fn asked(served: &Served, model: &str, prompt: Vec<u32>, s: &Sampling) -> Result<Asked, Refusal> {
-    if model != served.name {
-        return Err(Refusal(404, format!("The model `{model}` does not exist; this server has `{}`.", served.name)));
-    }
-    let vocab = served.policy.model.cfg.vocab_size as u32;
+fn asked(policy: &Arc<Policy>, prompt: Vec<u32>, s: &Sampling) -> Result<Asked, Refusal> {
+    let vocab = policy.model.cfg.vocab_size as u32;
     if let Some(id) = prompt.iter().find(|&&id| id >= vocab) {
         return Err(bad(format!("token id {id} is outside the vocabulary ({vocab})")));
     }
@@ -164,7 +195,7 @@ fn asked(served: &Served, model: &str, prompt: Vec<u32>, s: &Sampling) -> Result
         return Err(bad("the prompt is empty"));
     }
     let max_tokens = s.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
-    let context = served.policy.model.cfg.max_position_embeddings;
+    let context = policy.model.cfg.max_position_embeddings;
     if prompt.len() + max_tokens > context {
         return Err(bad(format!(
             "This model's maximum context length is {context} tokens; the prompt has {} and max_tokens is {max_tokens}.",
@@ -183,13 +214,21 @@ fn asked(served: &Served, model: &str, prompt: Vec<u32>, s: &Sampling) -> Result
         top_p,
         top_k: s.top_k.unwrap_or(0).max(0) as usize,
         stop_strings: stops.clone(),
+        constraint: s
+            .answer_grammar
+            .as_ref()
+            .and_then(|g| AnswerGrammar::new(&g.actions, g.max_actions, g.starts_inside)),
         ..GenerationConfig::default()
     };
-    Ok(Asked { prompt, cfg, stops, keep_stop: s.include_stop_str_in_output.unwrap_or(false) })
+    let keep_stop = s.include_stop_str_in_output.unwrap_or(false);
+    Ok(Asked { policy: policy.clone(), prompt, cfg, stops, keep_stop })
 }
 
 fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<()> {
-    let p = &served.policy;
+    let p = match served.get(&req.model) {
+        Ok(p) => p,
+        Err(r) => return respond(request, Err(r)),
+    };
     let messages: Vec<Message> = req.messages.iter().map(|m| Message::new(&m.role, m.content.clone())).collect();
     // `continue_final_message`: the last (assistant) message is a prefix the reply continues,
     // tokenised on its own after the generation prompt, as the trainer opens a turn.
@@ -200,7 +239,7 @@ fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<
         (true, _) => return respond(request, Err(bad("continue_final_message needs a final assistant message"))),
         (false, _) => p.chat_tokens(&messages, req.add_generation_prompt.unwrap_or(true)).map(|c| c.ids),
     };
-    let asked = match prompt.map_err(|e| bad(format!("{e:#}"))).and_then(|ids| asked(served, &req.model, ids, &req.sampling)) {
+    let asked = match prompt.map_err(|e| bad(format!("{e:#}"))).and_then(|ids| asked(&p, ids, &req.sampling)) {
         Ok(a) => a,
         Err(r) => return respond(request, Err(r)),
     };
@@ -208,7 +247,7 @@ fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<
     let want_logprobs = req.logprobs.unwrap_or(false);
     let id = format!("chatcmpl-{}", unique());
     if req.sampling.stream {
-        let head = json!({"id": id, "object": "chat.completion.chunk", "created": now() as u64, "model": served.name});
+        let head = json!({"id": id, "object": "chat.completion.chunk", "created": now() as u64, "model": req.model});
         return stream(served, request, asked, head, |piece, finish| match finish {
             None => json!({"index": 0, "delta": {"content": piece}, "finish_reason": null}),
             Some(f) => json!({"index": 0, "delta": {}, "finish_reason": f}),
@@ -228,7 +267,12 @@ fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<
                 .ids
                 .iter()
                 .zip(&gen.logprobs)
-                .map(|(&id, &lp)| TokenLogprob { token: token_text(p, id), logprob: lp, id: Some(id), top_logprobs: vec![] })
+                .map(|(&id, &lp)| TokenLogprob {
+                    token: token_text(&p, id),
+                    logprob: lp,
+                    id: Some(id),
+                    top_logprobs: vec![],
+                })
                 .collect(),
         }),
         token_ids: want_ids.then(|| gen.ids.clone()),
@@ -238,7 +282,7 @@ fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<
         id,
         object: "chat.completion".into(),
         created: now() as u64,
-        model: served.name.clone(),
+        model: req.model.clone(),
         choices: vec![choice],
         usage: usage(&asked, &gen),
     };
@@ -246,20 +290,28 @@ fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<
 }
 
 fn completions(served: &Served, request: Request, req: CompletionRequest) -> std::io::Result<()> {
+    let p = match served.get(&req.model) {
+        Ok(p) => p,
+        Err(r) => return respond(request, Err(r)),
+    };
     let ids = match &req.prompt {
         Prompt::Ids(ids) => Ok(ids.clone()),
-        Prompt::Text(t) => served.policy.encode(t).map_err(|e| bad(format!("{e:#}"))),
+        Prompt::Text(t) => p.encode(t).map_err(|e| bad(format!("{e:#}"))),
     };
-    let asked = match ids.and_then(|ids| asked(served, &req.model, ids, &req.sampling)) {
+    let asked = match ids.and_then(|ids| asked(&p, ids, &req.sampling)) {
         Ok(a) => a,
         Err(r) => return respond(request, Err(r)),
     };
     let id = format!("cmpl-{}", unique());
     if req.sampling.stream {
-        let head = json!({"id": id, "object": "text_completion", "created": now() as u64, "model": served.name});
-        return stream(served, request, asked, head, |piece, finish| {
-            json!({"index": 0, "text": piece, "finish_reason": finish})
-        });
+        let head = json!({"id": id, "object": "text_completion", "created": now() as u64, "model": req.model});
+        return stream(
+            served,
+            request,
+            asked,
+            head,
+            |piece, finish| json!({"index": 0, "text": piece, "finish_reason": finish}),
+        );
     }
     let (gen, text) = match generate(served, &asked) {
         Ok(x) => x,
@@ -272,7 +324,7 @@ fn completions(served: &Served, request: Request, req: CompletionRequest) -> std
         finish_reason: Some(finish_reason(gen.finish).into()),
         stop_reason: Some(stop_reason(&gen, &asked)),
         logprobs: req.logprobs.map(|_| CompletionLogprobs {
-            tokens: gen.ids.iter().map(|&id| token_text(&served.policy, id)).collect(),
+            tokens: gen.ids.iter().map(|&id| token_text(&p, id)).collect(),
             token_logprobs: gen.logprobs.clone(),
         }),
         token_ids: want_ids.then(|| gen.ids.clone()),
@@ -282,19 +334,71 @@ fn completions(served: &Served, request: Request, req: CompletionRequest) -> std
         id,
         object: "text_completion".into(),
         created: now() as u64,
-        model: served.name.clone(),
+        model: req.model.clone(),
         choices: vec![choice],
         usage: usage(&asked, &gen),
     };
     respond(request, serde_json::to_value(resp).map_err(Refusal::from))
 }
 
+/// `/v1/load_lora_adapter`: the adapter on the base weights, served under `lora_name`.
+fn load_lora(served: &Served, req: LoadLora) -> Result<Value, Refusal> {
+    let exists = served.models.read().expect("models lock").iter().skip(1).any(|(n, _)| *n == req.lora_name);
+    if exists && !req.load_inplace {
+        return Err(bad(format!(
+            "The lora adapter '{}' has already been loaded (load_inplace replaces it).",
+            req.lora_name
+        )));
+    }
+    let dir = Path::new(&req.lora_path);
+    if !lora::is_adapter_dir(dir) {
+        return Err(bad(format!("{}: not a PEFT adapter folder (adapter_config.json)", dir.display())));
+    }
+    let (base_name, base) = served.base();
+    if req.lora_name == base_name {
+        return Err(bad(format!("`{base_name}` is the base model's name")));
+    }
+    let adapted = base.reference(true).and_then(|p| p.load_saved(dir)).map_err(|e| bad(format!("{e:#}")))?;
+    let mut models = served.models.write().expect("models lock");
+    models.retain(|(n, _)| *n != req.lora_name);
+    models.push((req.lora_name.clone(), Arc::new(adapted)));
+    Ok(json!({"success": true, "message": format!("LoRA adapter '{}' added successfully.", req.lora_name)}))
+}
+
+fn unload_lora(served: &Served, name: &str) -> Result<Value, Refusal> {
+    let mut models = served.models.write().expect("models lock");
+    let before = models.len();
+    let base = models[0].0.clone();
+    models.retain(|(n, _)| n != name || *n == base);
+    if models.len() == before {
+        return Err(Refusal(404, format!("The lora adapter '{name}' cannot be found.")));
+    }
+    Ok(json!({"success": true, "message": format!("LoRA adapter '{name}' removed successfully.")}))
+}
+
+/// `/update_weights_from_disk` (SGLang): the base weights replaced by a model folder's; loaded
+/// adapters keep the weights they were loaded on. Requests already queued finish on the old ones.
+fn update_from_disk(served: &Served, req: UpdateFromDisk) -> Result<Value, Refusal> {
+    let policy = load_served(&req.model_path).map_err(|e| bad(format!("{e:#}")))?;
+    served.models.write().expect("models lock")[0].1 = Arc::new(policy);
+    Ok(json!({"success": true, "message": format!("weights loaded from {}", req.model_path)}))
+}
+
 /// Runs one request to the end; returns the generation and its text as the client gets it.
 fn generate(served: &Served, asked: &Asked) -> Result<(Generation, String), Refusal> {
     let (tx, rx) = channel();
-    let job = Job { prompt: asked.prompt.clone(), cfg: asked.cfg.clone(), tokens: None, reply: tx };
+    let job = Job {
+        policy: asked.policy.clone(),
+        prompt: asked.prompt.clone(),
+        cfg: asked.cfg.clone(),
+        tokens: None,
+        reply: tx,
+    };
     served.jobs.send(job).map_err(|_| Refusal(503, "the generation thread has stopped".into()))?;
-    let gen = rx.recv().map_err(|_| Refusal(503, "the generation thread has stopped".into()))?.map_err(|e| Refusal(500, e))?;
+    let gen = rx
+        .recv()
+        .map_err(|_| Refusal(503, "the generation thread has stopped".into()))?
+        .map_err(|e| Refusal(500, e))?;
     let text = client_text(&gen, asked);
     Ok((gen, text))
 }
@@ -322,7 +426,13 @@ fn stream(
 ) -> std::io::Result<()> {
     let (tokens_tx, tokens_rx) = channel();
     let (tx, rx) = channel();
-    let job = Job { prompt: asked.prompt.clone(), cfg: asked.cfg.clone(), tokens: Some(tokens_tx), reply: tx };
+    let job = Job {
+        policy: asked.policy.clone(),
+        prompt: asked.prompt.clone(),
+        cfg: asked.cfg.clone(),
+        tokens: Some(tokens_tx),
+        reply: tx,
+    };
     if served.jobs.send(job).is_err() {
         return respond(request, Err(Refusal(503, "the generation thread has stopped".into())));
     }
@@ -345,7 +455,7 @@ fn stream(
         event(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}), &mut w)?;
     }
     let hold = asked.stops.iter().map(|s| s.len()).max().unwrap_or(0);
-    let mut decoder = served.policy.tokenizer.decode_stream(true);
+    let mut decoder = asked.policy.tokenizer.decode_stream(true);
     let (mut text, mut sent) = (String::new(), 0);
     for id in tokens_rx {
         if let Ok(Some(piece)) = decoder.step(id) {

@@ -163,12 +163,16 @@ pub fn eval(opts: Options) -> Result<Summary> {
     let file = |v: usize| run.path.join("rollouts").join(format!("{}-step-000000.jsonl", variants[v].1));
     let mut lines: Vec<Vec<Value>> = Vec::new();
     for v in 0..variants.len() {
-        lines.push(crate::metrics::run::read_jsonl(&file(v)).unwrap_or_default().into_iter().map(Value::Object).collect());
+        lines.push(
+            crate::metrics::run::read_jsonl(&file(v)).unwrap_or_default().into_iter().map(Value::Object).collect(),
+        );
     }
     let done: HashSet<(usize, u64, u64)> = lines
         .iter()
         .enumerate()
-        .flat_map(|(v, ls)| ls.iter().map(move |l| (v, l["group"].as_u64().unwrap_or(0), l["episode"].as_u64().unwrap_or(0))))
+        .flat_map(|(v, ls)| {
+            ls.iter().map(move |l| (v, l["group"].as_u64().unwrap_or(0), l["episode"].as_u64().unwrap_or(0)))
+        })
         .collect();
     let mut queue = VecDeque::new();
     for v in 0..variants.len() {
@@ -374,9 +378,11 @@ fn play(
             ..ChatRequest::default()
         };
         let t = Instant::now();
-        let resp = endpoint.chat(&req).with_context(|| format!("seed {} episode {} turn {turn}", item.seed, item.index))?;
+        let resp =
+            endpoint.chat(&req).with_context(|| format!("seed {} episode {} turn {turn}", item.seed, item.index))?;
         latencies.push(t.elapsed().as_secs_f64());
-        let choice = resp.choices.into_iter().next().ok_or_else(|| anyhow!("{}: an answer without choices", endpoint.base))?;
+        let choice =
+            resp.choices.into_iter().next().ok_or_else(|| anyhow!("{}: an answer without choices", endpoint.base))?;
         prompt_tokens += resp.usage.prompt_tokens;
         completion_tokens += resp.usage.completion_tokens;
         let text = restore_stop(choice.message.content, choice.finish_reason.as_deref(), choice.stop_reason.as_ref());
@@ -388,7 +394,13 @@ fn play(
     }
     let versions = Versions::of(scripts);
     let t = play.finish(&turns.system, &versions, Default::default());
-    Ok(Played { variant: item.variant, line: trajectory_line(0, &t, None, None, false), latencies, prompt_tokens, completion_tokens })
+    Ok(Played {
+        variant: item.variant,
+        line: trajectory_line(0, &t, None, None, false),
+        latencies,
+        prompt_tokens,
+        completion_tokens,
+    })
 }
 
 /// The stop string every turn ends with.
@@ -438,7 +450,9 @@ fn progress_bar(show: bool, total: u64) -> ProgressBar {
         Some(total),
         if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
     );
-    if let Ok(style) = ProgressStyle::with_template("{spinner} episodes {pos}/{len} [{elapsed_precise} < {eta_precise}]") {
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} episodes {pos}/{len} [{elapsed_precise} < {eta_precise}]")
+    {
         bar.set_style(style);
     }
     bar

@@ -338,7 +338,12 @@ impl Settings {
     /// Check ranges and combinations; errors name the setting.
     pub fn validate(&self) -> Result<()> {
         let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
-        let checks: [(bool, &str); 16] = [
+        let checks: [(bool, &str); 18] = [
+            (r.backend == "local" || r.backend == "http", "rollout.backend must be \"local\" or \"http\""),
+            (
+                r.backend == "local" || r.think_budget == 0,
+                "rollout.think_budget acts inside the local sampler: set it to 0 with rollout.backend = \"http\"",
+            ),
             (r.env_groups >= 1, "rollout.env_groups must be at least 1"),
             (r.group_size >= 1, "rollout.group_size must be at least 1"),
             (r.response_length >= 1, "rollout.response_length must be at least 1"),

@@ -28,6 +28,7 @@ use super::optim::AdamW;
 use super::rundir::{now, peak_rss_mb, RunDir};
 use super::settings::{Algo, FilterKind, Preset, Settings};
 use super::update::{update, Item, Models, UpdateStats};
+use crate::agent::engine::{HttpEngine, WeightSync};
 use crate::agent::pack::distinct_positions;
 use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
 use crate::metrics::collapse::template_collapse;
@@ -292,8 +293,18 @@ pub fn train(opts: Options) -> Result<Summary> {
                 Ok(())
             })
         };
+    // Generation on inference engines: they get the policy's weights before the first rollout
+    // (whatever an earlier run left there), and again after every update.
+    let mut engine = match s.rollout.backend.as_str() {
+        "http" => Some(HttpEngine::connect(&s.rollout)?),
+        _ => None,
+    };
+    if let Some(e) = engine.as_mut() {
+        sync_engine(e, &policy, &run, start_step).context("pushing the policy's weights to the engines")?;
+    }
+    let mut retries_seen = 0;
     if start_step == 0 && s.train.val_every > 0 {
-        validate(&policy, &scripts, &exp, &s, &run, 0, &mut summary)?;
+        validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, 0, &mut summary)?;
     }
 
     // ---- the loop ----------------------------------------------------------------------------
@@ -349,7 +360,7 @@ pub fn train(opts: Options) -> Result<Summary> {
                     temperature: s.rollout.temperature,
                     params,
                 };
-                rollout(&policy, &scripts, &plan, &s.rollout, &mut rng)
+                rollout(&policy, engine.as_ref(), &scripts, &plan, &s.rollout, &mut rng)
             });
             match attempt {
                 Ok(trajs) => break trajs,
@@ -404,7 +415,27 @@ pub fn train(opts: Options) -> Result<Summary> {
             &s,
             &mut rng,
         )?;
+        if let (Some(e), false) = (engine.as_mut(), no_signal) {
+            sync_engine(e, &policy, &run, step).with_context(|| format!("step {step}: pushing the weights"))?;
+        }
         let update_s = t1.elapsed().as_secs_f64();
+        if let Some(e) = &engine {
+            let n = e.retries();
+            if n > retries_seen {
+                let msg = format!(
+                    "{} requests to the engines were retried (busy, or the connection dropped)",
+                    n - retries_seen
+                );
+                bar.println(format!("step {step}: {msg}"));
+                run.event(
+                    step,
+                    "engine_retry",
+                    &msg,
+                    Map::from_iter([("retries".to_string(), json!(n - retries_seen))]),
+                )?;
+                retries_seen = n;
+            }
+        }
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
@@ -467,7 +498,7 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 7. Validate.
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
-            while let Err(e) = validate(&policy, &scripts, &exp, &s, &run, step, &mut summary) {
+            while let Err(e) = validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, step, &mut summary) {
                 roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)?;
             }
         }
@@ -496,8 +527,10 @@ pub fn train(opts: Options) -> Result<Summary> {
 /// Validation: fixed seeds at the validation temperature, on the training params and on the
 /// held-out variant where the experiment has one. Its own Rng, so validating does not change
 /// the training stream.
+#[allow(clippy::too_many_arguments)]
 fn validate(
     policy: &Policy,
+    engine: Option<&HttpEngine>,
     scripts: &ExperimentScripts,
     exp: &Experiment,
     s: &Settings,
@@ -518,7 +551,7 @@ fn validate(
             params: scripts.env.params_from(&params)?,
         };
         let mut rng = Rng::derive(s.train.seed, 1_000_003);
-        let trajs = rollout(policy, scripts, &plan, &s.rollout, &mut rng)
+        let trajs = rollout(policy, engine, scripts, &plan, &s.rollout, &mut rng)
             .with_context(|| format!("step {step}: validation"))?;
         let n = trajs.len().max(1) as f64;
         let success = trajs.iter().filter(|t| t.success).count() as f64 / n;
@@ -538,6 +571,24 @@ fn validate(
     let msg = out.iter().map(|(k, v)| format!("{k} {:.3}", v.as_f64().unwrap_or(0.0))).collect::<Vec<_>>().join(", ");
     run.event(step, "validation", &msg, extra)?;
     summary.validations.push((step, out));
+    Ok(())
+}
+
+/// Pushes the policy's weights to the engines: its LoRA adapter, or the whole model, written
+/// under `sync/` in the run directory (the engines read it from there; the previous one goes).
+fn sync_engine(engine: &mut HttpEngine, policy: &Policy, run: &RunDir, step: u64) -> Result<()> {
+    let root = run.path.join("sync");
+    let dir = root.join(format!("step-{step:06}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    policy.save(&dir)?;
+    let path = dir.canonicalize()?.to_string_lossy().into_owned();
+    engine.sync(match policy.model.lora {
+        Some(_) => WeightSync::Lora { path },
+        None => WeightSync::Disk { path },
+    })?;
+    for old in std::fs::read_dir(&root)?.flatten().filter(|e| e.path() != dir) {
+        let _ = std::fs::remove_dir_all(old.path());
+    }
     Ok(())
 }
 
@@ -709,7 +760,13 @@ fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
 }
 
 /// One trajectory line (docs/contracts.md "Trajectory line").
-pub(crate) fn trajectory_line(step: u64, t: &Trajectory, normalized: Option<f64>, advantage: Option<f64>, kept: bool) -> Value {
+pub(crate) fn trajectory_line(
+    step: u64,
+    t: &Trajectory,
+    normalized: Option<f64>,
+    advantage: Option<f64>,
+    kept: bool,
+) -> Value {
     let mut v = json!({
         "step": step, "group": t.group, "episode": t.episode, "seed": t.seed, "success": t.success,
         "score": t.score, "kept": kept, "response_tokens": t.turns.iter().map(|u| u.response_tokens).sum::<usize>(),
