@@ -13,8 +13,9 @@
 //!
 //! Over HTTP there is no tokenizer: `think_tokens` counts words, `response_tokens` is the
 //! server's `usage.completion_tokens`, and `rollout.max_context_tokens` is the server's to
-//! enforce. `rollout.constrain_actions` and `rollout.think_budget` act inside our sampler and are
-//! not applied.
+//! enforce. `rollout.constrain_actions` is sent as `answer_grammar`, which `ragen-lab serve`
+//! applies and other engines ignore; `rollout.think_budget` acts inside our sampler and is not
+//! applied.
 use std::collections::{HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::channel;
@@ -31,7 +32,7 @@ use super::trainer::{resolve_settings, trajectory_line};
 use super::{settings::Preset, Settings};
 use crate::agent::rollout::{Play, Reply, Turns, Versions};
 use crate::metrics::keys::Key;
-use crate::remote::wire::{ChatMessage, ChatRequest, Sampling, Stop};
+use crate::remote::wire::{AnswerSpec, ChatMessage, ChatRequest, Sampling, Stop};
 use crate::remote::Endpoint;
 use crate::script::{Experiment, Host, Limits};
 
@@ -371,6 +372,13 @@ fn play(
                 stop: Some(Stop::Many(vec![CLOSE.into()])),
                 seed: Some(item.seed ^ ((item.index as u64) << 32) ^ ((turn as u64) << 48)),
                 include_stop_str_in_output: (!plain).then_some(true),
+                // `ragen-lab serve` constrains the answer as the local sampler does; other
+                // engines ignore the field.
+                answer_grammar: (!plain && r.constrain_actions && !turns.info.actions.is_empty()).then(|| AnswerSpec {
+                    actions: turns.info.actions.clone(),
+                    max_actions: turns.limits.max_actions_per_turn,
+                    starts_inside: !r.think,
+                }),
                 ..Sampling::default()
             },
             continue_final_message: (!plain).then_some(true),
