@@ -51,8 +51,12 @@ fn jsonl(path: &Path) -> Vec<Value> {
 }
 
 fn train(run: &Path, port: u16, extra: &[&str]) -> Command {
+    train_env(&root().join("scripts/bandit_tiny.rhai"), run, port, extra)
+}
+
+fn train_env(env: &Path, run: &Path, port: u16, extra: &[&str]) -> Command {
     let mut c = Command::new(BIN);
-    c.current_dir(root()).args(["train", "--env", "scripts/bandit_tiny.rhai", "--quiet", "--run-dir"]).arg(run);
+    c.current_dir(root()).args(["train", "--quiet", "--env"]).arg(env).arg("--run-dir").arg(run);
     c.args(["--set", "rollout.backend=http", "--set", &format!("rollout.endpoints=http://127.0.0.1:{port}/v1")]);
     c.args(["--set", "train.save_every=0"]).args(extra);
     c
@@ -105,6 +109,45 @@ fn a_killed_engine_is_retried_and_no_step_is_lost() {
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
     let events = jsonl(&run.join("events.jsonl"));
     assert!(events.iter().any(|e| e["kind"] == "engine_retry"), "the retries are reported: {events:?}");
+}
+
+#[test]
+fn engine_logprobs_line_up_with_the_policys_and_weight_the_update() {
+    // Free answers at temperature 1, so truncated importance sampling is on; a reward on the
+    // reply's length gives every group variance, so every step updates. The engine runs the
+    // trainer's own weights (pushed after each update), so its log-probs must equal the
+    // policy's on every token they are placed on: a reply scored out of the context it was
+    // sampled in, or a stale push, shows as a ratio away from 1.
+    let tmp = tempfile::tempdir().unwrap();
+    let project = tmp.path();
+    for f in ["envs/bandit.rhai", "prompts/ragen.rhai", "scripts/bandit_tiny.rhai"] {
+        std::fs::create_dir_all(project.join(f).parent().unwrap()).unwrap();
+        std::fs::copy(root().join(f), project.join(f)).unwrap();
+    }
+    std::fs::create_dir_all(project.join("rewards")).unwrap();
+    let length = "fn shape(turn, reward) { (turn.response.len() % 3).to_float() }\n";
+    std::fs::write(project.join("rewards/length.rhai"), length).unwrap();
+    let exp = project.join("scripts/bandit_tiny.rhai");
+    let text = std::fs::read_to_string(&exp).unwrap().replace("rewards/format_penalty.rhai", "rewards/length.rhai");
+    std::fs::write(&exp, text.replace("constrain_actions: true", "constrain_actions: false")).unwrap();
+
+    let port = free_port();
+    let mut server = start_server(port);
+    let run = project.join("run");
+    let out = train_env(&exp, &run, port, &["--steps", "3", "--set", "train.val_every=0"]).output().unwrap();
+    let _ = server.kill();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let steps = jsonl(&run.join("metrics.jsonl"));
+    assert_eq!(steps.len(), 3);
+    for m in &steps {
+        let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {m}"));
+        assert_eq!(f("update/skipped"), 0.0, "{m}");
+        // The random model samples spellings its tokenizer would not write (a re-tokenized reply
+        // parts from them early), so only a few tokens keep their sampled context.
+        assert!(f("update/tis_coverage") > 0.02, "{m}");
+        assert!(f("update/kl_rollout").abs() < 1e-3 && (f("update/tis_ratio_max") - 1.0).abs() < 0.02, "{m}");
+        assert!((f("update/tis_weight_mean") - 1.0).abs() < 1e-3, "{m}");
+    }
 }
 
 /// A fake engine that records every request and answers like vLLM.

@@ -19,6 +19,9 @@ pub struct Packed {
     pub turn_ends: Vec<usize>,
     /// The reward of each visible turn (shaped, format penalty included), [K].
     pub turn_rewards: Vec<f32>,
+    /// The generating engine's log-prob of each token it sampled (NaN where unknown), [T]; empty
+    /// when the policy itself generated (the update then has nothing to correct).
+    pub rollout_logprobs: Vec<f32>,
 }
 
 impl Packed {
@@ -38,7 +41,31 @@ impl Packed {
             mask: chat.scored,
             turn_ends: ends,
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
+            rollout_logprobs: Vec::new(),
         })
+    }
+
+    /// Places the engine's log-probs of each turn's sampled ids (`sampled`: the last turns, in
+    /// order; the last one is the last visible turn's) on the tokens they scored: after the
+    /// opening tag `tag` the reply was sampled after, for as long as the packed ids agree with
+    /// the sampled ones. Past the first disagreement (the history keeps a re-serialised answer,
+    /// or the template tokenizes the text differently) the context is no longer the one the
+    /// engine saw, so those tokens keep NaN and get no correction.
+    pub fn set_rollout_logprobs(&mut self, sampled: &[(Vec<u32>, Vec<f32>)], tag: &[u32]) {
+        let mut out = vec![f32::NAN; self.ids.len()];
+        for (&end, (ids, lps)) in self.turn_ends.iter().rev().zip(sampled.iter().rev()) {
+            let mut start = end;
+            while start > 0 && self.mask[start - 1] {
+                start -= 1;
+            }
+            let run = &self.ids[start..=end];
+            let at = if tag.is_empty() { Some(0) } else { run.windows(tag.len()).position(|w| w == tag) };
+            let Some(at) = at else { continue };
+            let from = start + at + tag.len();
+            let agree = self.ids[from..=end].iter().zip(ids).zip(lps).take_while(|((a, b), _)| a == b).count();
+            out[from..from + agree].copy_from_slice(&lps[..agree]);
+        }
+        self.rollout_logprobs = out;
     }
 
     /// A finished episode's chat as the model last saw it (the context window: the last `window`
@@ -108,6 +135,32 @@ mod tests {
         assert_eq!(distinct_positions(&[&a, &b, &c]), 2 + 2 + 1 + 1);
         assert_eq!(distinct_positions(&[&a, &a]), 4);
         assert_eq!(distinct_positions(&[]), 0);
+    }
+
+    #[test]
+    fn engine_logprobs_land_on_the_tokens_they_scored() {
+        // Two visible turns, each `10` (the opening tag) then the reply, then an end-of-turn id.
+        let chat = ChatTokens {
+            ids: vec![1, 10, 11, 12, 2, 3, 10, 20, 21, 9, 4],
+            assistant_mask: vec![false, true, true, true, false, false, true, true, true, true, false],
+            scored: vec![false, true, true, true, false, false, true, true, true, true, false],
+        };
+        let mut p = Packed::new(chat, &[0.0, 1.0]).unwrap();
+        // Turn 1 sampled 11, 12; turn 2 sampled 20, 21 and a stop id 99 the template writes as
+        // 9; an earlier turn is outside the window.
+        let sampled =
+            [(vec![5], vec![-9.0]), (vec![11, 12], vec![-0.5, -0.25]), (vec![20, 21, 99], vec![-1.0, -2.0, -3.0])];
+        p.set_rollout_logprobs(&sampled, &[10]);
+        let got: Vec<String> = p.rollout_logprobs.iter().map(|x| format!("{x}")).collect();
+        assert_eq!(got, ["NaN", "NaN", "-0.5", "-0.25", "NaN", "NaN", "NaN", "-1", "-2", "NaN", "NaN"]);
+        // Only the last turn given: it lands on the last visible turn. A reply re-serialised
+        // differently keeps what agrees before the first difference.
+        p.set_rollout_logprobs(&[(vec![20, 7], vec![-1.0, -0.1])], &[10]);
+        let known: Vec<usize> = (0..11).filter(|&i| !p.rollout_logprobs[i].is_nan()).collect();
+        assert_eq!(known, [7]);
+        // No opening tag in the turn: nothing is placed.
+        p.set_rollout_logprobs(&sampled, &[42]);
+        assert!(p.rollout_logprobs.iter().all(|x| x.is_nan()));
     }
 
     #[test]

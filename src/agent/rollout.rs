@@ -74,6 +74,11 @@ settings_section! {
         endpoints: String = String::new(),
         /// With backend "http": the base model's name at the engines ("" = the first listed).
         engine_model: String = String::new(),
+        /// With backend "http": truncated importance sampling, each token's policy-gradient
+        /// weighted by min(π_old / π_engine, cap) to correct for the engine's numerics (veRL
+        /// `rollout_is_threshold`); 0 = off. Applied only at temperature 1 without
+        /// constrain_actions (otherwise the engine's log-probs are of another distribution).
+        tis_cap: f64 = 2.0,
     }
 }
 
@@ -168,6 +173,8 @@ pub struct Play {
     pub prev_reward: Option<f64>,
     pub done: bool,
     pub truncated: bool,
+    /// Each turn's sampled ids and the engine's log-probs (rollouts on HTTP engines only).
+    pub sampled: Vec<(Vec<u32>, Vec<f32>)>,
 }
 
 /// A reply to one turn, as the model wrote it.
@@ -177,6 +184,8 @@ pub struct Reply {
     pub tokens: usize,
     /// The sampler wrote `</think><answer>` itself (`rollout.think_budget`).
     pub forced: bool,
+    /// The sampled ids and their log-probs, kept when an engine generated them.
+    pub sampled: Option<(Vec<u32>, Vec<f32>)>,
 }
 
 impl Play {
@@ -200,6 +209,7 @@ impl Play {
             prev_reward: None,
             done: false,
             truncated: false,
+            sampled: Vec::new(),
         })
     }
 
@@ -235,6 +245,7 @@ impl Play {
             message.unscored = message.content.find(FORCED).map(|i| (i, i + FORCED.len()));
         }
         self.history.push_reply(message);
+        self.sampled.extend(reply.sampled);
         self.prev_reward = Some(reward);
         self.done = applied.done || turn == turns.max_turns;
         let think_tokens = match &parsed.think {
@@ -354,17 +365,30 @@ pub fn rollout(
         }
         // 3. Parse, step, shape.
         for ((i, _, opened), gen) in batch.into_iter().zip(gens) {
-            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced };
+            // Under constrain_actions the engine's log-probs are of the masked distribution, and
+            // at a temperature other than 1 of a tempered one (vLLM's raw ones are not): neither
+            // compares with the policy's, so no importance correction uses them.
+            let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
+            let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
+            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled };
             live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
         }
     }
 
     // 4. Pack every episode: the chat it ends with, the rewards of the turns it shows.
     let versions = Versions::of(scripts);
+    let open_tag = policy.encode_plain(turns.open_tag)?;
     live.into_iter()
         .map(|ep| {
             let rewards: Vec<f64> = ep.turns.iter().map(|t| t.reward).collect();
-            let packed = Packed::from_history(policy, &ep.history, &rewards, s.context_window)?;
+            let mut packed = Packed::from_history(policy, &ep.history, &rewards, s.context_window)?;
+            if !ep.sampled.is_empty() {
+                // A window that dropped turns shows the earlier replies in a context they were
+                // not sampled in: only the last one compares.
+                let k = ep.sampled.len();
+                let from = if s.context_window > 0 && k > s.context_window { k - 1 } else { 0 };
+                packed.set_rollout_logprobs(&ep.sampled[from..], &open_tag);
+            }
             Ok(ep.finish(system, &versions, packed))
         })
         .collect()

@@ -79,6 +79,15 @@ metric_keys! {
     ApproxKl = "update/approx_kl",
     /// Optimiser steps taken in the update.
     OptimizerSteps = "update/optimizer_steps",
+    /// Rollouts on engines: mean of the truncated importance weight min(π_old/π_engine, cap)
+    /// over the tokens whose engine log-prob is known.
+    TisWeightMean = "update/tis_weight_mean",
+    /// Its largest untruncated ratio π_old/π_engine.
+    TisRatioMax = "update/tis_ratio_max",
+    /// k3 estimate of KL(π_engine ‖ π_old) over those tokens.
+    KlRollout = "update/kl_rollout",
+    /// Share of the scored tokens whose engine log-prob is known (re-tokenized replies are not).
+    TisCoverage = "update/tis_coverage",
     /// Validation: share of successful episodes.
     ValSuccess = "val/success",
     /// Validation: mean score.

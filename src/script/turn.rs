@@ -34,6 +34,11 @@ pub struct ParsedTurn {
     pub format_ok: bool,
     /// The raw response as generated.
     pub response: String,
+    /// The response after the opening tag the prompt ended with (`<think>` or `<answer>`):
+    /// what a failed turn keeps in the history, so the update scores its tokens in the context
+    /// they were sampled in.
+    #[serde(skip)]
+    pub opened: String,
 }
 
 /// Finds the text between `open` and the next `close` at or after `from`; returns (inner, end).
@@ -48,7 +53,8 @@ fn between<'a>(s: &'a str, open: &str, close: &str, from: usize) -> Option<(&'a 
 /// valid); `think` says whether a think block is required before the answer.
 pub fn parse_turn(response: &str, actions: &[String], max_actions_per_turn: usize, think: bool) -> ParsedTurn {
     let open = if think { "<think>" } else { "<answer>" };
-    let text = if response.trim_start().starts_with(open) { response.to_string() } else { format!("{open}{response}") };
+    let opened = format!("{open}{response}");
+    let text = if response.trim_start().starts_with(open) { response.to_string() } else { opened.clone() };
     let parsed = if think {
         // `<think>(.*?)</think>\s*<answer>(.*?)</answer>`: the answer must follow the think
         // block with only whitespace between.
@@ -69,6 +75,7 @@ pub fn parse_turn(response: &str, actions: &[String], max_actions_per_turn: usiz
             invalid_actions: Vec::new(),
             format_ok: false,
             response: response.to_string(),
+            opened,
         };
     };
     let mut valid = Vec::new();
@@ -89,15 +96,17 @@ pub fn parse_turn(response: &str, actions: &[String], max_actions_per_turn: usiz
         invalid_actions: invalid,
         format_ok: true,
         response: response.to_string(),
+        opened,
     }
 }
 
 impl ParsedTurn {
     /// The form RAGEN keeps in the chat history: `<think>t</think><answer>a || b</answer>` from
-    /// the parsed pieces, or the raw response when the format failed.
+    /// the parsed pieces, or when the format failed the raw response after its opening tag
+    /// (RAGEN keeps the raw text; the tag it was sampled after belongs with it).
     pub fn reserialize(&self) -> String {
         let Some(answer) = &self.answer else {
-            return self.response.clone();
+            return self.opened.clone();
         };
         let pieces: Vec<&str> = answer.split(ACTION_SEP).map(str::trim).filter(|p| !p.is_empty()).collect();
         let joined = pieces.join(&format!(" {ACTION_SEP} "));
@@ -261,7 +270,7 @@ mod tests {
         for bad in ["just Up", "t</think> Up", "t</think> words <answer>Up</answer>", "<answer>Up</answer>"] {
             let t = parse_turn(bad, &names(), 5, true);
             assert!(!t.format_ok && t.actions.is_empty() && t.penalized(), "{bad}");
-            assert_eq!(t.reserialize(), bad);
+            assert_eq!(t.reserialize(), format!("<think>{bad}"), "kept after the tag it was sampled after");
         }
     }
 

@@ -394,7 +394,7 @@ fn play(
         prompt_tokens += resp.usage.prompt_tokens;
         completion_tokens += resp.usage.completion_tokens;
         let text = restore_stop(choice.message.content, choice.finish_reason.as_deref(), choice.stop_reason.as_ref());
-        let reply = Reply { text, tokens: resp.usage.completion_tokens, forced: false };
+        let reply = Reply { text, tokens: resp.usage.completion_tokens, forced: false, sampled: None };
         play.take_reply(&turns, scripts, r, turn, opened, reply, |t| Ok(t.split_whitespace().count()))?;
         if play.done {
             break;

@@ -757,6 +757,12 @@ fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
     if let Some(v) = u.value_loss {
         put(m, Key::ValueLoss, v);
     }
+    if let Some(t) = &u.tis {
+        put(m, Key::TisWeightMean, t.weight_mean);
+        put(m, Key::TisRatioMax, t.ratio_max);
+        put(m, Key::KlRollout, t.kl_rollout);
+        put(m, Key::TisCoverage, t.coverage);
+    }
 }
 
 /// One trajectory line (docs/contracts.md "Trajectory line").

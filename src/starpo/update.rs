@@ -42,6 +42,34 @@ pub struct UpdateStats {
     pub tokens: usize,
     /// The per-sequence mean advantage over assistant tokens (for the rollout log).
     pub seq_advantage: Vec<f32>,
+    /// Rollouts on engines (truncated importance sampling): the mean weight, the largest
+    /// ratio and KL(π_engine ‖ π_old), over the tokens with an engine log-prob.
+    pub tis: Option<TisStats>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct TisStats {
+    pub weight_mean: f64,
+    pub ratio_max: f64,
+    pub kl_rollout: f64,
+    /// Share of the scored tokens whose engine log-prob is known (the rest get weight 1).
+    pub coverage: f64,
+}
+
+/// Truncated importance sampling (veRL's `rollout_is`, token level): the engine sampled with
+/// log-probs `rollout`, the update's old policy has `old`; each token's advantage is weighted by
+/// min(exp(old − rollout), cap) where `known` (1.0) says the engine's log-prob is there, else 1.
+/// Returns the weights [B, T] and (Σ weight, max ratio, Σ k3 KL, tokens) over the known tokens.
+pub fn tis_weights(old: &Tensor, rollout: &Tensor, known: &Tensor, cap: f64) -> Result<(Tensor, [f64; 4])> {
+    let log_ratio = ((old - rollout)? * known)?;
+    let ratio = log_ratio.exp()?;
+    let weight = ratio.clamp(0.0, cap)?;
+    let n = known.sum_all()?.to_scalar::<f32>()? as f64;
+    let sum_w = (&weight * known)?.sum_all()?.to_scalar::<f32>()? as f64;
+    let max_r = (&ratio * known)?.max_all()?.to_scalar::<f32>()? as f64;
+    // k3 of KL(engine ‖ old) with r = π_old / π_engine: (r − 1) − log r.
+    let k3 = (((&ratio - 1.0)? - &log_ratio)? * known)?.sum_all()?.to_scalar::<f32>()? as f64;
+    Ok((weight, [sum_w, max_r, k3, n]))
 }
 
 /// The models and optimisers the update touches.
@@ -140,6 +168,14 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let masks: Vec<Vec<bool>> = items.iter().map(|it| it.packed.mask.clone()).collect();
     let all: Vec<usize> = (0..n).collect();
     let pad = policy.pad_id;
+    // Engine log-probs where the rollout ran on engines (0 and known = 0 elsewhere).
+    let tis = s.rollout.tis_cap > 0.0 && items.iter().any(|it| !it.packed.rollout_logprobs.is_empty());
+    let nan_to = |x: f32, v: f32, known: f32| if x.is_nan() { v } else { known };
+    let roll_lp: Vec<Vec<f32>> =
+        items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| nan_to(x, 0.0, x)).collect()).collect();
+    let roll_known: Vec<Vec<f32>> =
+        items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| nan_to(x, 0.0, 1.0)).collect()).collect();
+    let mut tis_sums = [0.0f64; 5]; // Σ weight, max ratio, Σ k3, known tokens, scored tokens
 
     // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph. When the
     // update is a single optimiser step, the policy has not moved before it: the old log-probs
@@ -273,11 +309,27 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 } else {
                     None
                 };
+                let engine = match tis {
+                    true => Some((rows_tensor(&pick(&roll_lp), t, &dev)?, rows_tensor(&pick(&roll_known), t, &dev)?)),
+                    false => None,
+                };
                 // The policy holds one chunk of full-vocabulary logits at a time (big vocabularies).
                 policy.loss_and_grads(
                     tb,
                     |scored| {
                         let old = old.unwrap_or_else(|| scored.logprobs.detach());
+                        let ad = match &engine {
+                            Some((roll, known)) => {
+                                let (w, sums) = tis_weights(&old, roll, &(known * &mask)?, s.rollout.tis_cap)?;
+                                tis_sums[0] += sums[0];
+                                tis_sums[1] = tis_sums[1].max(sums[1]);
+                                tis_sums[2] += sums[2];
+                                tis_sums[3] += sums[3];
+                                tis_sums[4] += mask.sum_all()?.to_scalar::<f32>()? as f64;
+                                (&ad * w)?
+                            }
+                            None => ad,
+                        };
                         let (pg, clipped, _) =
                             clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
                         let pg_loss = seq_mean_token_mean(&pg, &mask)?;
@@ -323,5 +375,12 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     stats.value_loss = m.critic.map(|_| sums[5] / c);
     stats.kl = (m.reference.is_some() && sp.kl_coef > 0.0).then_some(kl_sum / c);
     stats.optimizer_steps = count;
+    let known = tis_sums[3].max(1.0);
+    stats.tis = tis.then(|| TisStats {
+        weight_mean: tis_sums[0] / known,
+        ratio_max: tis_sums[1],
+        kl_rollout: tis_sums[2] / known,
+        coverage: tis_sums[3] / tis_sums[4].max(1.0),
+    });
     Ok(stats)
 }
