@@ -74,6 +74,17 @@ pub fn add_tokens(n: usize) {
     CLOCKS.with(|c| c.borrow_mut().tokens += n as u64);
 }
 
+/// Add clocks another thread took (an update run beside the rollout) to this thread's.
+pub fn add(other: &Clocks) {
+    CLOCKS.with(|c| {
+        let mut c = c.borrow_mut();
+        for (a, b) in c.seconds.iter_mut().zip(other.seconds) {
+            *a += b;
+        }
+        c.tokens += other.tokens;
+    });
+}
+
 /// This thread's clocks since the last `take`, reset to zero.
 pub fn take() -> Clocks {
     CLOCKS.with(|c| std::mem::take(&mut *c.borrow_mut()))

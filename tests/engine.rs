@@ -83,6 +83,34 @@ fn training_on_an_engine_learns_the_tiny_bandit() {
 }
 
 #[test]
+fn rollouts_one_update_behind_overlap_the_update_and_still_learn() {
+    let port = free_port();
+    let mut server = start_server(port);
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let lag = ["--steps", "30", "--set", "train.val_every=30", "--set", "rollout.max_policy_lag=1"];
+    let out = train(&run, port, &lag).output().unwrap();
+    let _ = server.kill();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let vals: Vec<f64> = jsonl(&run.join("events.jsonl"))
+        .iter()
+        .filter(|e| e["kind"] == "validation")
+        .map(|e| e["val/success"].as_f64().unwrap())
+        .collect();
+    assert!(vals[0] < 0.5 && vals[1] >= 0.9, "validation success before and after 30 steps: {vals:?}");
+    // Each batch was played before the previous step's update landed: one step behind it
+    // whenever that step updated, and every sample says which weights played it.
+    let steps = jsonl(&run.join("metrics.jsonl"));
+    for (prev, m) in steps.iter().zip(&steps[1..]) {
+        let want = if prev["update/skipped"] == 0.0 { 1.0 } else { 0.0 };
+        assert_eq!(m["rollout/policy_lag"], want, "step {}", m["step"]);
+    }
+    let last = std::fs::read_to_string(run.join("rollouts/step-000030.jsonl")).unwrap();
+    let version: Value = serde_json::from_str(last.lines().next().unwrap()).unwrap();
+    assert!(version["policy_version"].as_u64().unwrap() <= 28, "{}", version["policy_version"]);
+}
+
+#[test]
 fn a_killed_engine_is_retried_and_no_step_is_lost() {
     let port = free_port();
     let mut server = start_server(port);
@@ -217,7 +245,7 @@ fn weight_sync_calls_the_engines_routes_with_their_bodies_in_order() {
     assert_eq!(c["model"], "Qwen/Qwen2.5-0.5B-Instruct");
     assert_eq!(c["prompt"], json!([1, 2, 3]), "token ids, not text");
     assert_eq!((c["return_token_ids"].clone(), c["include_stop_str_in_output"].clone()), (json!(true), json!(true)));
-    assert_eq!((c["logprobs"].clone(), c["min_p"].clone(), c["top_k"].clone()), (json!(0), json!(0.0), json!(0)));
+    assert_eq!((c["logprobs"].clone(), c["min_p"].clone(), c["top_k"].clone()), (json!(1), json!(0.0), json!(0)));
     assert_eq!(c["answer_grammar"]["actions"], json!(["Up", "Down"]));
     assert_eq!(
         seen[2].2,

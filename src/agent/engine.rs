@@ -18,7 +18,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use super::rollout::Rollout;
 use crate::policy::{Finish, Generation, GenerationConfig};
 use crate::remote::client::Refused;
-use crate::remote::wire::{AnswerSpec, CompletionRequest, LoadLora, Prompt, Sampling, Stop, UpdateFromDisk};
+use crate::remote::wire::{
+    restore_stop, AnswerSpec, CompletionRequest, CompletionResponse, LoadLora, Prompt, Sampling, Stop, UpdateFromDisk,
+};
 use crate::remote::Endpoint;
 use crate::rng::Rng;
 
@@ -113,14 +115,19 @@ impl HttpEngine {
                     answer_grammar: answer_grammar.clone(),
                     ..Sampling::default()
                 },
-                logprobs: Some(0),
+                // 1, not 0: llama-server returns no log-probs for 0 (vLLM gives the sampled
+                // token's either way).
+                logprobs: Some(1),
             })
             .collect();
         std::thread::scope(|scope| {
             let handles: Vec<_> = requests
                 .iter()
                 .enumerate()
-                .map(|(i, req)| scope.spawn(move || self.complete(&self.endpoints[i % self.endpoints.len()], req)))
+                .map(|(i, req)| {
+                    scope
+                        .spawn(move || self.complete(&self.endpoints[i % self.endpoints.len()], req, &cfg.stop_strings))
+                })
                 .collect();
             handles.into_iter().map(|h| h.join().map_err(|_| anyhow!("a request thread panicked"))?).collect()
         })
@@ -128,7 +135,7 @@ impl HttpEngine {
 
     /// One request; when the engine restarted under it (a dropped connection) or lost the
     /// adapter (404), the last sync is pushed again and the request repeated.
-    fn complete(&self, ep: &Endpoint, req: &CompletionRequest) -> Result<Generation> {
+    fn complete(&self, ep: &Endpoint, req: &CompletionRequest, stop: &[String]) -> Result<Generation> {
         for _ in 0..3 {
             let dropped = ep.dropped.load(Ordering::Relaxed);
             let answer = ep.completions(req);
@@ -138,7 +145,7 @@ impl HttpEngine {
             };
             match (&self.synced, lost) {
                 (Some(sync), true) => push(ep, sync).context("pushing the weights again to a restarted engine")?,
-                _ => return generation(answer?, &ep.base),
+                _ => return generation(answer?, &ep.base, stop),
             }
         }
         bail!("{}: the engine keeps losing the pushed weights", ep.base)
@@ -161,16 +168,28 @@ fn push(ep: &Endpoint, sync: &WeightSync) -> Result<()> {
 }
 
 /// A completions answer as the rollout's [`Generation`].
-fn generation(resp: crate::remote::wire::CompletionResponse, base: &str) -> Result<Generation> {
+fn generation(resp: CompletionResponse, base: &str, stop_strings: &[String]) -> Result<Generation> {
     let c = resp.choices.into_iter().next().ok_or_else(|| anyhow!("{base}: an answer without choices"))?;
-    let ids = c.token_ids.ok_or_else(|| {
-        anyhow!("{base}: the answer has no token_ids; the engine must support return_token_ids (vLLM, ragen-lab serve)")
+    let l = c.logprobs.unwrap_or_default();
+    // llama-server gives the ids only inside its chat-shaped log-probs.
+    let content_ids: Option<Vec<u32>> =
+        (!l.content.is_empty()).then(|| l.content.iter().map(|t| t.id).collect()).flatten();
+    let ids = c.token_ids.or(content_ids).ok_or_else(|| {
+        anyhow!("{base}: the answer has no token ids; the engine must return them (vLLM and ragen-lab serve: return_token_ids; llama-server: logprobs with ids)")
     })?;
-    let logprobs = c.logprobs.map(|l| l.token_logprobs).unwrap_or_default();
+    let logprobs = match l.token_logprobs.is_empty() {
+        true => l.content.iter().map(|t| t.logprob).collect(),
+        false => l.token_logprobs,
+    };
     let finish = match (c.finish_reason.as_deref(), &c.stop_reason) {
         (Some("length"), _) => Finish::Length,
         (_, Some(serde_json::Value::String(_))) => Finish::Stop,
         _ => Finish::Eos,
     };
-    Ok(Generation { ids, text: c.text, logprobs, finish, forced: false })
+    // llama-server drops the stop string (and its ids) from the reply: the text gets it back.
+    let text = match stop_strings.first() {
+        Some(stop) => restore_stop(c.text, c.finish_reason.as_deref(), c.stop_reason.as_ref(), stop),
+        None => c.text,
+    };
+    Ok(Generation { ids, text, logprobs, finish, forced: false })
 }

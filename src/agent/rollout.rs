@@ -79,6 +79,11 @@ settings_section! {
         /// `rollout_is_threshold`); 0 = off. Applied only at temperature 1 without
         /// constrain_actions (otherwise the engine's log-probs are of another distribution).
         tis_cap: f64 = 2.0,
+        /// With backend "http": how many updates a sample's weights may be behind the update
+        /// that trains on it. 0 = synchronous (RAGEN's); 1 = the next step's rollout runs on the
+        /// engines while this step's update runs on the trainer (one-step off-policy, corrected
+        /// by `tis_cap`'s importance weights).
+        max_policy_lag: usize = 0,
     }
 }
 

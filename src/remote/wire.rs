@@ -181,11 +181,16 @@ pub struct ChatResponse {
     pub usage: Usage,
 }
 
-/// Legacy completions log-probs (vLLM's shape).
+/// Completions log-probs: the legacy shape (vLLM, OpenAI, `serve`), or llama-server's, which
+/// answers `/v1/completions` in the chat shape with ids (`content: [{id, token, logprob}]`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CompletionLogprobs {
+    #[serde(default)]
     pub tokens: Vec<String>,
+    #[serde(default)]
     pub token_logprobs: Vec<f32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub content: Vec<TokenLogprob>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -219,4 +224,39 @@ pub struct CompletionResponse {
 /// `{"error": {"message", "type", "code"}}`, as OpenAI and vLLM answer a refused request.
 pub fn error_body(message: &str, kind: &str, code: u16) -> serde_json::Value {
     serde_json::json!({ "error": { "message": message, "type": kind, "code": code } })
+}
+
+/// Servers that drop the stop string from the text (OpenAI, llama-server) leave an answer
+/// open: close it with `stop` when the reply ended on it. vLLM and `ragen-lab serve` say so
+/// (`stop_reason`, and keep the text with `include_stop_str_in_output`); elsewhere a reply that
+/// stopped without the string is taken to have ended on it (an end-of-sequence right after an
+/// unclosed answer is closed too).
+pub fn restore_stop(text: String, finish: Option<&str>, stop_reason: Option<&serde_json::Value>, stop: &str) -> String {
+    let ended_on_stop = match stop_reason {
+        Some(serde_json::Value::String(s)) => s == stop,
+        Some(_) => false,
+        None => finish == Some("stop"),
+    };
+    if ended_on_stop && !text.ends_with(stop) {
+        return format!("{text}{stop}");
+    }
+    text
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    #[test]
+    fn a_stripped_stop_string_is_put_back() {
+        let close = json!("</answer>");
+        let put_back = |text: &str, finish, reason| restore_stop(text.into(), finish, reason, "</answer>");
+        assert_eq!(put_back("Up || Left", Some("stop"), None), "Up || Left</answer>");
+        assert_eq!(put_back("Up || Left", Some("stop"), Some(&close)), "Up || Left</answer>");
+        assert_eq!(put_back("Up</answer>", Some("stop"), Some(&close)), "Up</answer>");
+        // An end-of-sequence the server names (a token id, or null) is not a closed answer.
+        assert_eq!(put_back("Up", Some("stop"), Some(&Value::Null)), "Up");
+        assert_eq!(put_back("Up Up Up", Some("length"), None), "Up Up Up");
+    }
 }

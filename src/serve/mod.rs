@@ -326,6 +326,7 @@ fn completions(served: &Served, request: Request, req: CompletionRequest) -> std
         logprobs: req.logprobs.map(|_| CompletionLogprobs {
             tokens: gen.ids.iter().map(|&id| token_text(&p, id)).collect(),
             token_logprobs: gen.logprobs.clone(),
+            content: vec![],
         }),
         token_ids: want_ids.then(|| gen.ids.clone()),
         prompt_token_ids: want_ids.then(|| asked.prompt.clone()),

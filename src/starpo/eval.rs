@@ -32,7 +32,7 @@ use super::trainer::{resolve_settings, trajectory_line};
 use super::{settings::Preset, Settings};
 use crate::agent::rollout::{Play, Reply, Turns, Versions};
 use crate::metrics::keys::Key;
-use crate::remote::wire::{AnswerSpec, ChatMessage, ChatRequest, Sampling, Stop};
+use crate::remote::wire::{restore_stop, AnswerSpec, ChatMessage, ChatRequest, Sampling, Stop};
 use crate::remote::Endpoint;
 use crate::script::{Experiment, Host, Limits};
 
@@ -393,7 +393,8 @@ fn play(
             resp.choices.into_iter().next().ok_or_else(|| anyhow!("{}: an answer without choices", endpoint.base))?;
         prompt_tokens += resp.usage.prompt_tokens;
         completion_tokens += resp.usage.completion_tokens;
-        let text = restore_stop(choice.message.content, choice.finish_reason.as_deref(), choice.stop_reason.as_ref());
+        let text =
+            restore_stop(choice.message.content, choice.finish_reason.as_deref(), choice.stop_reason.as_ref(), CLOSE);
         let reply = Reply { text, tokens: resp.usage.completion_tokens, forced: false, sampled: None };
         play.take_reply(&turns, scripts, r, turn, opened, reply, |t| Ok(t.split_whitespace().count()))?;
         if play.done {
@@ -404,7 +405,7 @@ fn play(
     let t = play.finish(&turns.system, &versions, Default::default());
     Ok(Played {
         variant: item.variant,
-        line: trajectory_line(0, &t, None, None, false),
+        line: trajectory_line(0, None, &t, None, None, false),
         latencies,
         prompt_tokens,
         completion_tokens,
@@ -413,23 +414,6 @@ fn play(
 
 /// The stop string every turn ends with.
 const CLOSE: &str = "</answer>";
-
-/// Servers that drop the stop string from the text (OpenAI, llama-server) leave the answer
-/// open: close it when the reply ended on it. vLLM and `ragen-lab serve` say so (`stop_reason`,
-/// and they keep the text with `include_stop_str_in_output`); elsewhere a reply that stopped
-/// without the string is taken to have ended on it (an end-of-sequence right after an unclosed
-/// answer is closed too).
-fn restore_stop(text: String, finish: Option<&str>, stop_reason: Option<&Value>) -> String {
-    let ended_on_close = match stop_reason {
-        Some(Value::String(s)) => s == CLOSE,
-        Some(_) => false,
-        None => finish == Some("stop"),
-    };
-    if ended_on_close && !text.ends_with(CLOSE) {
-        return format!("{text}{CLOSE}");
-    }
-    text
-}
 
 fn summarize(key: &str, lines: &[Value]) -> VariantSummary {
     let n = lines.len().max(1) as f64;
@@ -464,20 +448,4 @@ fn progress_bar(show: bool, total: u64) -> ProgressBar {
         bar.set_style(style);
     }
     bar
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_stripped_stop_string_is_put_back() {
-        let close = json!(CLOSE);
-        assert_eq!(restore_stop("Up || Left".into(), Some("stop"), None), "Up || Left</answer>");
-        assert_eq!(restore_stop("Up || Left".into(), Some("stop"), Some(&close)), "Up || Left</answer>");
-        assert_eq!(restore_stop("Up</answer>".into(), Some("stop"), Some(&close)), "Up</answer>");
-        // An end-of-sequence the server names (a token id, or null) is not a closed answer.
-        assert_eq!(restore_stop("Up".into(), Some("stop"), Some(&Value::Null)), "Up");
-        assert_eq!(restore_stop("Up Up Up".into(), Some("length"), None), "Up Up Up");
-    }
 }

@@ -338,11 +338,19 @@ impl Settings {
     /// Check ranges and combinations; errors name the setting.
     pub fn validate(&self) -> Result<()> {
         let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
-        let checks: [(bool, &str); 18] = [
+        let checks: [(bool, &str); 20] = [
             (r.backend == "local" || r.backend == "http", "rollout.backend must be \"local\" or \"http\""),
             (
                 r.backend == "local" || r.think_budget == 0,
                 "rollout.think_budget acts inside the local sampler: set it to 0 with rollout.backend = \"http\"",
+            ),
+            (
+                r.max_policy_lag == 0 || r.backend == "http",
+                "rollout.max_policy_lag > 0 overlaps the rollout with the update, which needs rollout.backend = \"http\" (the local sampler shares the trainer's weights and cores)",
+            ),
+            (
+                r.max_policy_lag <= 1,
+                "rollout.max_policy_lag: one rollout runs ahead of the update, so the lag is 0 or 1",
             ),
             (r.env_groups >= 1, "rollout.env_groups must be at least 1"),
             (r.group_size >= 1, "rollout.group_size must be at least 1"),

@@ -304,7 +304,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     }
     let mut retries_seen = 0;
     if start_step == 0 && s.train.val_every > 0 {
-        validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, 0, &mut summary)?;
+        validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, (0, start_step), &mut summary)?;
     }
 
     // ---- the loop ----------------------------------------------------------------------------
@@ -312,6 +312,11 @@ pub fn train(opts: Options) -> Result<Summary> {
     // The versions live edits replaced: where a swapped-in version fails on real turns, the
     // one it replaced comes back (see `roll_back`).
     let mut replaced: Vec<Loaded> = Vec::new();
+    // The step whose update last changed the weights (0 = the initial ones): each sample records
+    // the version that generated it. Rollouts are synchronous (RAGEN's), so a sample is never
+    // older than the update it feeds.
+    let mut version = start_step;
+    let mut ahead: Option<(Vec<Trajectory>, f64, u64)> = None;
     for step in start_step + 1..=total {
         if opts.stop.load(Ordering::SeqCst) {
             summary.interrupted = true;
@@ -347,32 +352,27 @@ pub fn train(opts: Options) -> Result<Summary> {
             }
         }
 
-        // 2. Rollout: P × reuse groups (rollout freshness), N episodes each, fresh seeds.
-        let n_groups = s.rollout.env_groups * s.optim.rollout_reuse;
-        let first_seed = s.rollout.seed_base + (step - 1) * n_groups as u64;
-        let t0 = Instant::now();
-        let trajs = loop {
-            let start_rng = rng.clone();
-            let attempt = scripts.env.params_from(&exp.params).map_err(anyhow::Error::from).and_then(|params| {
-                let plan = Plan {
-                    seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
-                    group_size: s.rollout.group_size,
-                    temperature: s.rollout.temperature,
-                    params,
-                };
-                rollout(&policy, engine.as_ref(), &scripts, &plan, &s.rollout, &mut rng)
-            });
-            match attempt {
-                Ok(trajs) => break trajs,
-                Err(e) => {
-                    // The step starts over on the restored version, from the same random state.
-                    roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)
-                        .with_context(|| format!("step {step}: rollout"))?;
-                    rng = start_rng;
-                }
+        // 2. Rollout: P × reuse groups (rollout freshness), N episodes each, fresh seeds; or the
+        // one the engines played during the last update (rollout.max_policy_lag = 1).
+        let (trajs, rollout_s, sampled_by) = match ahead.take() {
+            Some(r) => r,
+            None => {
+                let t0 = Instant::now();
+                let trajs = play_step(
+                    step,
+                    &policy,
+                    engine.as_ref(),
+                    &mut scripts,
+                    &mut replaced,
+                    &exp,
+                    &s,
+                    &run,
+                    &bar,
+                    &mut rng,
+                )?;
+                (trajs, t0.elapsed().as_secs_f64(), version)
             }
         };
-        let rollout_s = t0.elapsed().as_secs_f64();
 
         // 3. Score and normalise per group.
         let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();
@@ -403,18 +403,46 @@ pub fn train(opts: Options) -> Result<Summary> {
         } else {
             kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect()
         };
-        let stats = update(
-            Models {
-                policy: &policy,
-                critic: critic.as_ref(),
-                reference: reference.as_ref(),
-                actor_opt: &mut actor_opt,
-                critic_opt: critic_opt.as_mut(),
-            },
-            &items,
-            &s,
-            &mut rng,
-        )?;
+        let models = Models {
+            policy: &policy,
+            critic: critic.as_ref(),
+            reference: reference.as_ref(),
+            actor_opt: &mut actor_opt,
+            critic_opt: critic_opt.as_mut(),
+        };
+        let lag = version - sampled_by;
+        let stats = if s.rollout.max_policy_lag > 0 && step < total && !opts.stop.load(Ordering::SeqCst) {
+            // The engines play the next step's episodes (on the weights they hold, one update
+            // behind) while this update runs here; its clocks come back from its thread.
+            let mut update_rng = Rng::new(rng.next_u64());
+            let (stats, next) = std::thread::scope(|scope| {
+                let worker = scope.spawn(|| (update(models, &items, &s, &mut update_rng), phase::take()));
+                let t0 = Instant::now();
+                let next = play_step(
+                    step + 1,
+                    &policy,
+                    engine.as_ref(),
+                    &mut scripts,
+                    &mut replaced,
+                    &exp,
+                    &s,
+                    &run,
+                    &bar,
+                    &mut rng,
+                )
+                .map(|trajs| (trajs, t0.elapsed().as_secs_f64(), version));
+                let (stats, clocks) = worker.join().map_err(|_| anyhow!("step {step}: the update thread panicked"))?;
+                phase::add(&clocks);
+                anyhow::Ok((stats, next))
+            })?;
+            ahead = Some(next?);
+            stats?
+        } else {
+            update(models, &items, &s, &mut rng)?
+        };
+        if !no_signal {
+            version = step;
+        }
         if let (Some(e), false) = (engine.as_mut(), no_signal) {
             sync_engine(e, &policy, &run, step).with_context(|| format!("step {step}: pushing the weights"))?;
         }
@@ -440,6 +468,7 @@ pub fn train(opts: Options) -> Result<Summary> {
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
         put(&mut line, Key::Skipped, f64::from(u8::from(no_signal)));
+        put(&mut line, Key::PolicyLag, lag as f64);
         if !no_signal {
             update_metrics(&mut line, &stats, s.optim.lr);
         }
@@ -487,7 +516,7 @@ pub fn train(opts: Options) -> Result<Summary> {
         let lines: Vec<Value> = trajs
             .iter()
             .enumerate()
-            .map(|(i, t)| trajectory_line(step, t, Some(normed[i]), Some(adv[i]), kept.contains(&i)))
+            .map(|(i, t)| trajectory_line(step, Some(sampled_by), t, Some(normed[i]), Some(adv[i]), kept.contains(&i)))
             .collect();
         run.rollouts(&format!("step-{step:06}"), &lines)?;
         bar.set_message(headline(&line));
@@ -498,7 +527,9 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 7. Validate.
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
-            while let Err(e) = validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, step, &mut summary) {
+            while let Err(e) =
+                validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, (step, version), &mut summary)
+            {
                 roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)?;
             }
         }
@@ -524,6 +555,46 @@ pub fn train(opts: Options) -> Result<Summary> {
     Ok(summary)
 }
 
+/// One step's episodes, played by the policy or the engines: `env_groups × rollout_reuse`
+/// groups of fresh seeds. A script error rolls the script back to its last good version and the
+/// step starts over from the same random state.
+#[allow(clippy::too_many_arguments)]
+fn play_step(
+    step: u64,
+    policy: &Policy,
+    engine: Option<&HttpEngine>,
+    scripts: &mut ExperimentScripts,
+    replaced: &mut Vec<Loaded>,
+    exp: &Experiment,
+    s: &Settings,
+    run: &RunDir,
+    bar: &ProgressBar,
+    rng: &mut Rng,
+) -> Result<Vec<Trajectory>> {
+    let n_groups = s.rollout.env_groups * s.optim.rollout_reuse;
+    let first_seed = s.rollout.seed_base + (step - 1) * n_groups as u64;
+    loop {
+        let start_rng = rng.clone();
+        let attempt = scripts.env.params_from(&exp.params).map_err(anyhow::Error::from).and_then(|params| {
+            let plan = Plan {
+                seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
+                group_size: s.rollout.group_size,
+                temperature: s.rollout.temperature,
+                params,
+            };
+            rollout(policy, engine, scripts, &plan, &s.rollout, rng)
+        });
+        match attempt {
+            Ok(trajs) => return Ok(trajs),
+            Err(e) => {
+                // The step starts over on the restored version, from the same random state.
+                roll_back(e, scripts, replaced, run, step, bar).with_context(|| format!("step {step}: rollout"))?;
+                *rng = start_rng;
+            }
+        }
+    }
+}
+
 /// Validation: fixed seeds at the validation temperature, on the training params and on the
 /// held-out variant where the experiment has one. Its own Rng, so validating does not change
 /// the training stream.
@@ -535,7 +606,7 @@ fn validate(
     exp: &Experiment,
     s: &Settings,
     run: &RunDir,
-    step: u64,
+    (step, version): (u64, u64),
     summary: &mut Summary,
 ) -> Result<()> {
     let mut variants = vec![("val", "val", exp.params.clone())];
@@ -563,7 +634,8 @@ fn validate(
         put(&mut out, k_success, success);
         put(&mut out, k_reward, reward);
         put(&mut out, k_pass, pass);
-        let lines: Vec<Value> = trajs.iter().map(|t| trajectory_line(step, t, None, None, false)).collect();
+        let lines: Vec<Value> =
+            trajs.iter().map(|t| trajectory_line(step, Some(version), t, None, None, false)).collect();
         run.rollouts(&format!("{file}-step-{step:06}"), &lines)?;
     }
     let mut extra = out.clone();
@@ -768,6 +840,7 @@ fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
 /// One trajectory line (docs/contracts.md "Trajectory line").
 pub(crate) fn trajectory_line(
     step: u64,
+    policy_version: Option<u64>,
     t: &Trajectory,
     normalized: Option<f64>,
     advantage: Option<f64>,
@@ -778,6 +851,9 @@ pub(crate) fn trajectory_line(
         "score": t.score, "kept": kept, "response_tokens": t.turns.iter().map(|u| u.response_tokens).sum::<usize>(),
         "versions": t.versions, "system": t.system, "turns": t.turns, "truncated": t.truncated,
     });
+    if let Some(p) = policy_version {
+        v["policy_version"] = json!(p);
+    }
     if let Some(n) = normalized {
         v["normalized_score"] = json!(n);
     }
