@@ -9,6 +9,7 @@ use crate::policy::lora::{attach, LoraConfig};
 use crate::policy::Policy;
 use crate::script::bench::{bench_env, env_scripts};
 use crate::script::{EnvScript, Host, Limits, Role};
+use crate::serve::load::{Load, LoadResult};
 use crate::starpo::bench::{measure as measure_steps, StepArgs, HEADER};
 use crate::starpo::policy_bench::{comparison, features, measure, BenchConfig, Report};
 
@@ -30,6 +31,106 @@ pub enum What {
     /// Real StarPO steps of an experiment, timed by phase (prefill, decode, env, old log-probs,
     /// forward, backward, optimiser), with tokens computed vs unique and the peak RSS.
     Step(StepArgs),
+    /// Concurrent chat requests against an OpenAI-compatible server (`ragen-lab serve` started
+    /// here, or any --endpoint such as llama-server): requests/s, tokens/s, p50/p99 latency per
+    /// concurrency, and the throughput ratio to one request at a time.
+    Serve(ServeArgs),
+}
+
+/// `ragen-lab bench serve`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// The model to serve here (any `--model` form), or with --endpoint the name it serves.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Measure this server instead of starting `ragen-lab serve` (http://host:port or its /v1 root).
+    #[arg(long, value_name = "URL")]
+    pub endpoint: Option<String>,
+    /// Requests in flight at once, comma-separated levels.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    pub concurrency: Vec<usize>,
+    /// Requests per level.
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    /// Tokens each request generates at most (temperature 1).
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: usize,
+    /// Seconds before a request counts as an error.
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+    /// Also write the results as JSON here.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// About 230 tokens, the size of a Bandit prompt: the prefill is most of a short episode's cost.
+const LOAD_PROMPT: &str = "You are playing a game with two slot machines. Each machine has a name, and \
+the name says something about how it pays. One machine pays a small amount every time you pull it; the \
+other pays a large amount some of the time and nothing the rest of the time. Over many pulls, one of them \
+pays more on average. You will see the names of both machines, and you must pick one. Think about what \
+each name suggests: a name for something steady and careful, or a name for something bold and risky. \
+Then answer with the name of the machine you pick, and nothing else. The machines are called Dragon and \
+Phoenix. Dragon is a creature of legend that guards great treasure and takes great risks; Phoenix is a \
+bird that rises again from its ashes, steady through every fire. Which machine do you pick? Give your \
+answer inside <answer></answer> tags, with no extra text, in at most sixteen words.";
+
+fn run_serve(a: ServeArgs) -> Result<()> {
+    let base = match &a.endpoint {
+        Some(url) => crate::remote::api_base(url)?,
+        None => {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let opts = crate::serve::Options {
+                model: a.model.clone(),
+                name: Some(a.model.clone()),
+                ip: std::net::IpAddr::from([127, 0, 0, 1]),
+                port: 0,
+                max_batch: 64,
+                seed: 0,
+            };
+            std::thread::spawn(move || {
+                let ready = tx.clone();
+                if let Err(e) = crate::serve::serve(opts, move |addr| {
+                    let _ = ready.send(Ok(addr));
+                }) {
+                    let _ = tx.send(Err(e));
+                }
+            });
+            let addr = rx.recv().context("the server thread ended")??;
+            format!("http://{addr}/v1")
+        }
+    };
+    let messages = serde_json::json!([{"role": "user", "content": LOAD_PROMPT}]);
+    let load = Load {
+        chat_url: &format!("{base}/chat/completions"),
+        model: &a.model,
+        messages: &messages,
+        max_tokens: a.max_tokens,
+        requests: a.requests,
+        timeout: Duration::from_secs(a.timeout),
+    };
+    // One request first: the server's first batch pays one-off costs (allocation, page faults).
+    Load { requests: 1, ..load }.run(1)?;
+    println!("{base}, {} requests per level, up to {} tokens each", a.requests, a.max_tokens);
+    println!(
+        "{:>11} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9} {:>11}",
+        "concurrency", "errors", "wall s", "req/s", "tok/s", "p50 s", "p99 s", "vs 1 at a time"
+    );
+    let mut results = Vec::new();
+    for &c in &a.concurrency {
+        let r = load.run(c)?;
+        let single = results.iter().find(|x: &&LoadResult| x.concurrency == 1);
+        let ratio = single.map_or(String::from("-"), |s| format!("{:.2}x", r.requests_per_s / s.requests_per_s));
+        println!(
+            "{:>11} {:>8} {:>10.1} {:>10.2} {:>10.1} {:>9.2} {:>9.2} {:>11}",
+            c, r.errors, r.wall_s, r.requests_per_s, r.completion_tokens_per_s, r.latency_p50_s, r.latency_p99_s, ratio
+        );
+        results.push(r);
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("writing --json {}", path.display()))?;
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]
@@ -156,6 +257,7 @@ pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Policy(a) => run_policy(a),
         What::Step(a) => run_step(a),
+        What::Serve(a) => run_serve(a),
         What::Envs(a) => {
             let scripts = if a.scripts.is_empty() {
                 env_scripts(Path::new("envs")).map_err(anyhow::Error::msg)?

@@ -11,6 +11,7 @@
 //! and top-p, the distribution RL trains on (at temperature 1 they are the raw ones; vLLM's
 //! default and llama-server's are the raw ones at any temperature).
 pub mod batcher;
+pub mod load;
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
