@@ -99,11 +99,10 @@ fn run_serve(a: ServeArgs) -> Result<()> {
             format!("http://{addr}/v1")
         }
     };
-    let messages = serde_json::json!([{"role": "user", "content": LOAD_PROMPT}]);
     let load = Load {
         chat_url: &format!("{base}/chat/completions"),
         model: &a.model,
-        messages: &messages,
+        prompt: LOAD_PROMPT,
         max_tokens: a.max_tokens,
         requests: a.requests,
         timeout: Duration::from_secs(a.timeout),

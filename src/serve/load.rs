@@ -21,12 +21,13 @@ pub struct LoadResult {
     pub latency_p99_s: f64,
 }
 
-/// The requests one level sends: the same chat `messages`, `max_tokens` each, sampled at
-/// temperature 1 with per-request seeds (so the batches do real sampling work).
+/// The requests one level sends: one user message, `prompt` after a per-request number (so no
+/// server can skip a prefill through its prompt cache), `max_tokens` each, sampled at
+/// temperature 1 with per-request seeds.
 pub struct Load<'a> {
     pub chat_url: &'a str,
     pub model: &'a str,
-    pub messages: &'a Value,
+    pub prompt: &'a str,
     pub max_tokens: usize,
     pub requests: usize,
     pub timeout: Duration,
@@ -45,34 +46,44 @@ impl Load<'_> {
     pub fn run(&self, concurrency: usize) -> Result<LoadResult> {
         let next = AtomicUsize::new(0);
         let done = Mutex::new((Vec::new(), 0usize, 0usize)); // latencies, completion tokens, errors
-        let agent = ureq::AgentBuilder::new().timeout(self.timeout).build();
         let start = Instant::now();
         std::thread::scope(|scope| {
-            for _ in 0..concurrency.max(1) {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= self.requests {
-                        break;
-                    }
-                    let body = json!({"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens,
-                        "temperature": 1.0, "top_p": 1.0, "seed": i});
-                    let t = Instant::now();
-                    let answer = agent
-                        .post(self.chat_url)
-                        .send_json(body)
-                        .map_err(|e| e.to_string())
-                        .and_then(|r| r.into_json::<Value>().map_err(|e| e.to_string()));
-                    let mut d = done.lock().expect("load results");
-                    match answer {
-                        Ok(v) => {
-                            d.0.push(t.elapsed().as_secs_f64());
-                            d.1 += v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+            for k in 0..concurrency.max(1) {
+                // A client per thread, each with its own connection, as separate users have.
+                let agent =
+                    ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(10)).timeout(self.timeout).build();
+                let (next, done) = (&next, &done);
+                scope.spawn(move || {
+                    // Clients arrive 5 ms apart: a burst of simultaneous first connections from
+                    // this process left some stalled 12-15 s against both ragen-lab serve and
+                    // llama-server (a Python client hitting the same servers does not see it).
+                    std::thread::sleep(Duration::from_millis(5 * k as u64));
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= self.requests {
+                            break;
                         }
-                        Err(e) => {
-                            if d.2 == 0 {
-                                eprintln!("bench serve: a request failed: {e}");
+                        let messages = json!([{"role": "user", "content": format!("Game {i}. {}", self.prompt)}]);
+                        let body = json!({"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
+                            "temperature": 1.0, "top_p": 1.0, "seed": i});
+                        let t = Instant::now();
+                        let answer = agent
+                            .post(self.chat_url)
+                            .send_json(body)
+                            .map_err(|e| e.to_string())
+                            .and_then(|r| r.into_json::<Value>().map_err(|e| e.to_string()));
+                        let mut d = done.lock().expect("load results");
+                        match answer {
+                            Ok(v) => {
+                                d.0.push(t.elapsed().as_secs_f64());
+                                d.1 += v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
                             }
-                            d.2 += 1;
+                            Err(e) => {
+                                if d.2 == 0 {
+                                    eprintln!("bench serve: a request failed: {e}");
+                                }
+                                d.2 += 1;
+                            }
                         }
                     }
                 });
