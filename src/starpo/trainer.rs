@@ -353,25 +353,16 @@ pub fn train(opts: Options) -> Result<Summary> {
         }
 
         // 2. Rollout: P × reuse groups (rollout freshness), N episodes each, fresh seeds; or the
-        // one the engines played during the last update (rollout.max_policy_lag = 1).
+        // one the engines played during the last update (rollout.max_policy_lag = 1). `play`
+        // plays step k's episodes, timed, stamped with the weights that play them.
+        let play = |k: u64, scripts: &mut ExperimentScripts, replaced: &mut Vec<Loaded>, rng: &mut Rng| {
+            let t0 = Instant::now();
+            let trajs = play_step(k, &policy, engine.as_ref(), scripts, replaced, &exp, &s, &run, &bar, rng)?;
+            anyhow::Ok((trajs, t0.elapsed().as_secs_f64(), version))
+        };
         let (trajs, rollout_s, sampled_by) = match ahead.take() {
             Some(r) => r,
-            None => {
-                let t0 = Instant::now();
-                let trajs = play_step(
-                    step,
-                    &policy,
-                    engine.as_ref(),
-                    &mut scripts,
-                    &mut replaced,
-                    &exp,
-                    &s,
-                    &run,
-                    &bar,
-                    &mut rng,
-                )?;
-                (trajs, t0.elapsed().as_secs_f64(), version)
-            }
+            None => play(step, &mut scripts, &mut replaced, &mut rng)?,
         };
 
         // 3. Score and normalise per group.
@@ -417,20 +408,7 @@ pub fn train(opts: Options) -> Result<Summary> {
             let mut update_rng = Rng::new(rng.next_u64());
             let (stats, next) = std::thread::scope(|scope| {
                 let worker = scope.spawn(|| (update(models, &items, &s, &mut update_rng), phase::take()));
-                let t0 = Instant::now();
-                let next = play_step(
-                    step + 1,
-                    &policy,
-                    engine.as_ref(),
-                    &mut scripts,
-                    &mut replaced,
-                    &exp,
-                    &s,
-                    &run,
-                    &bar,
-                    &mut rng,
-                )
-                .map(|trajs| (trajs, t0.elapsed().as_secs_f64(), version));
+                let next = play(step + 1, &mut scripts, &mut replaced, &mut rng);
                 let (stats, clocks) = worker.join().map_err(|_| anyhow!("step {step}: the update thread panicked"))?;
                 phase::add(&clocks);
                 anyhow::Ok((stats, next))
