@@ -170,9 +170,10 @@ fn engine_logprobs_line_up_with_the_policys_and_weight_the_update() {
     for m in &steps {
         let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {m}"));
         assert_eq!(f("update/skipped"), 0.0, "{m}");
-        // The random model samples spellings its tokenizer would not write (a re-tokenized reply
-        // parts from them early), so only a few tokens keep their sampled context.
-        assert!(f("update/tis_coverage") > 0.02, "{m}");
+        // A failed reply stands in the chat as its sampled ids (the random model samples
+        // spellings its tokenizer would not write): all but the opening tags and end-of-turn
+        // ids carry the engine's log-probs.
+        assert!(f("update/tis_coverage") > 0.5, "{m}");
         assert!(f("update/kl_rollout").abs() < 1e-3 && (f("update/tis_ratio_max") - 1.0).abs() < 0.02, "{m}");
         assert!((f("update/tis_weight_mean") - 1.0).abs() < 1e-3, "{m}");
     }

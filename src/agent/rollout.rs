@@ -191,6 +191,9 @@ pub struct Reply {
     pub forced: bool,
     /// The sampled ids and their log-probs, kept when an engine generated them.
     pub sampled: Option<(Vec<u32>, Vec<f32>)>,
+    /// The opening tag's and the reply's ids as sampled (`Policy::verbatim_ids`): a reply kept
+    /// as written (its format failed) stands in the chat as these, not re-tokenized.
+    pub verbatim: Option<Vec<u32>>,
 }
 
 impl Play {
@@ -248,6 +251,8 @@ impl Play {
         let mut message = Message::assistant(parsed.reserialize());
         if reply.forced {
             message.unscored = message.content.find(FORCED).map(|i| (i, i + FORCED.len()));
+        } else if parsed.answer.is_none() {
+            message.ids = reply.verbatim;
         }
         self.history.push_reply(message);
         self.sampled.extend(reply.sampled);
@@ -375,7 +380,8 @@ pub fn rollout(
             // compares with the policy's, so no importance correction uses them.
             let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
             let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
-            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled };
+            let verbatim = policy.verbatim_ids(turns.open_tag, &gen.text, &gen.ids);
+            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim };
             live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
         }
     }

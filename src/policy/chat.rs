@@ -29,11 +29,16 @@ pub struct Message {
     /// `</think><answer>` after the think budget): in the chat, but out of the loss mask.
     #[serde(skip)]
     pub unscored: Option<(usize, usize)>,
+    /// The token ids `content` was sampled as (a reply kept as written): the chat holds exactly
+    /// these where the content stands, not a re-tokenization of its text, which need not give
+    /// the same ids (decode → encode does not round-trip).
+    #[serde(skip)]
+    pub ids: Option<Vec<u32>>,
 }
 
 impl Message {
     pub fn new(role: &str, content: impl Into<String>) -> Self {
-        Self { role: role.to_string(), content: content.into(), unscored: None }
+        Self { role: role.to_string(), content: content.into(), unscored: None, ids: None }
     }
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
@@ -53,6 +58,14 @@ pub struct ChatTokens {
     pub ids: Vec<u32>,
     pub assistant_mask: Vec<bool>,
     pub scored: Vec<bool>,
+}
+
+/// Byte spans of a rendered chat: assistant turns, their unscored ranges, and the contents that
+/// stand as sampled ids.
+struct Spans<'m> {
+    assistant: Vec<(usize, usize)>,
+    unscored: Vec<(usize, usize)>,
+    verbatim: Vec<(usize, usize, &'m [u32])>,
 }
 
 /// A chat template with the special-token strings it may refer to.
@@ -107,11 +120,12 @@ impl ChatTemplate {
         tmpl.render(ctx).map_err(|e| anyhow!("chat template: {e:#}"))
     }
 
-    /// Byte spans of the rendered text that belong to assistant turns (see the module doc), and
-    /// the spans of their `unscored` ranges.
-    fn assistant_spans(&self, messages: &[Message], full: &str) -> Result<(Vec<(usize, usize)>, Vec<(usize, usize)>)> {
+    /// Byte spans of the rendered text that belong to assistant turns (see the module doc), the
+    /// spans of their `unscored` ranges, and where the messages with sampled `ids` stand.
+    fn assistant_spans<'m>(&self, messages: &'m [Message], full: &str) -> Result<Spans<'m>> {
         let mut unscored = vec![];
         let mut spans = vec![];
+        let mut verbatim = vec![];
         for (k, m) in messages.iter().enumerate() {
             if m.role != "assistant" {
                 continue;
@@ -131,25 +145,36 @@ impl ChatTemplate {
                 };
                 unscored.push((before.len() + at, before.len() + at + (b - a)));
             }
+            // A template that rewrites the content (trims it) leaves it to the text.
+            if let (Some(ids), Some(at)) = (&m.ids, turn.find(&m.content)) {
+                verbatim.push((before.len() + at, before.len() + at + m.content.len(), ids.as_slice()));
+            }
         }
-        Ok((spans, unscored))
+        Ok(Spans { assistant: spans, unscored, verbatim })
     }
 
     /// Render and tokenize. The template writes any BOS itself, so the tokenizer adds none
     /// (no doubled BOS).
+    /// Messages with sampled `ids` keep them: the text around them is tokenized piece by piece.
     pub fn tokens(&self, tok: &Tokenizer, messages: &[Message], add_generation_prompt: bool) -> Result<ChatTokens> {
         let text = self.render(messages, add_generation_prompt)?;
-        let (spans, unscored) = self.assistant_spans(messages, &text)?;
-        let enc = tok.encode(text.as_str(), false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
+        let spans = self.assistant_spans(messages, &text)?;
+        // Each token's id and the byte where its text starts.
+        let (mut ids, mut starts) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for &(a, b, kept) in spans.verbatim.iter().chain([&(text.len(), text.len(), &[][..])]) {
+            let enc = tok.encode(&text[at..a], false).map_err(|e| anyhow!("tokenizing the chat: {e}"))?;
+            ids.extend(enc.get_ids());
+            starts.extend(enc.get_offsets().iter().map(|&(s, _)| at + s));
+            ids.extend(kept);
+            starts.extend(std::iter::repeat_n(a, kept.len()));
+            at = b;
+        }
         let within = |spans: &[(usize, usize)], start: usize| spans.iter().any(|&(s, e)| start >= s && start < e);
-        let assistant_mask: Vec<bool> = enc.get_offsets().iter().map(|&(start, _)| within(&spans, start)).collect();
-        let scored = enc
-            .get_offsets()
-            .iter()
-            .zip(&assistant_mask)
-            .map(|(&(start, _), &a)| a && !within(&unscored, start))
-            .collect();
-        Ok(ChatTokens { ids: enc.get_ids().to_vec(), assistant_mask, scored })
+        let assistant_mask: Vec<bool> = starts.iter().map(|&start| within(&spans.assistant, start)).collect();
+        let scored =
+            starts.iter().zip(&assistant_mask).map(|(&start, &a)| a && !within(&spans.unscored, start)).collect();
+        Ok(ChatTokens { ids, assistant_mask, scored })
     }
 }
 
@@ -208,6 +233,34 @@ mod tests {
         };
         assert_eq!(pick(&ct.assistant_mask), format!("{content}<|im_end|>"));
         assert_eq!(pick(&ct.scored), "<think>UpUp</answer><|im_end|>");
+    }
+
+    #[test]
+    fn a_reply_with_sampled_ids_keeps_them_and_the_rest_is_tokenized_as_text() {
+        let tok = train_bpe(
+            &["Go Up or Down? Upward Upward Upward Up Up ward ward ward"],
+            400,
+            &["<|im_start|>", "<|im_end|>"],
+            &[],
+        )
+        .unwrap();
+        let t = ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap();
+        let id = |s: &str| tok.token_to_id(s).unwrap();
+        // "Upward" sampled letter by letter at first, which re-tokenizing its text would not give.
+        let sampled = vec![id("U"), id("p"), id("ward")];
+        assert_ne!(tok.encode("Upward", false).unwrap().get_ids(), &sampled[..]);
+        let mut reply = Message::assistant("Upward");
+        reply.ids = Some(sampled.clone());
+        let msgs = [Message::user("Go Up or Down?"), reply, Message::user("Up")];
+        let ct = t.tokens(&tok, &msgs, true).unwrap();
+        let prompt = t.tokens(&tok, &msgs[..1], true).unwrap();
+        // The chat up to the reply is the prompt it was sampled after, then the sampled ids.
+        assert_eq!(&ct.ids[..prompt.ids.len()], &prompt.ids[..]);
+        let at = prompt.ids.len();
+        assert_eq!(&ct.ids[at..at + 3], &sampled[..]);
+        assert_eq!(tok.decode(&ct.ids, false).unwrap(), t.render(&msgs, true).unwrap());
+        let masked: Vec<u32> = ct.ids.iter().zip(&ct.scored).filter(|(_, &m)| m).map(|(&i, _)| i).collect();
+        assert_eq!(masked, [id("U"), id("p"), id("ward"), id("<|im_end|>")]);
     }
 
     #[test]

@@ -195,6 +195,27 @@ impl Policy {
         self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))
     }
 
+    /// `tag`'s ids then `sampled` (a trailing end-of-turn id dropped: the chat template writes
+    /// its own), when they decode, special tokens and all, to exactly `tag` + `text`: the ids a
+    /// reply kept as written stands in the chat as (`Message::ids`). None when they do not (a
+    /// stop string cut inside a token, a tokenizer that does not decode losslessly).
+    pub fn verbatim_ids(&self, tag: &str, text: &str, sampled: &[u32]) -> Option<Vec<u32>> {
+        let mut ids = self.encode_plain(tag).ok()?;
+        ids.extend(sampled);
+        for _ in 0..2 {
+            if self.tokenizer.decode(&ids, false).ok()? == format!("{tag}{text}") {
+                return Some(ids);
+            }
+            let last = *ids.last()?;
+            if self.tokenizer.decode(&[last], true).ok()?.is_empty() && ids.len() > 1 {
+                ids.pop(); // a special token the text does not show: the end of the turn
+            } else {
+                return None;
+            }
+        }
+        None
+    }
+
     /// Each token id's text decoded alone (empty for special tokens), for the model's whole
     /// vocabulary (ids past the tokenizer's are empty).
     pub fn token_texts(&self) -> Arc<Vec<String>> {
