@@ -83,12 +83,15 @@ fn training_on_an_engine_learns_the_tiny_bandit() {
 }
 
 #[test]
-fn rollouts_one_update_behind_overlap_the_update_and_still_learn() {
+fn lora_rollouts_one_update_behind_overlap_the_update_and_still_learn() {
     let port = free_port();
     let mut server = start_server(port);
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
-    let lag = ["--steps", "30", "--set", "train.val_every=30", "--set", "rollout.max_policy_lag=1"];
+    // LoRA: each push is a PEFT adapter through /v1/load_lora_adapter (the full-weight route is
+    // the other test's).
+    let lag =
+        ["--steps", "30", "--set", "train.val_every=30", "--set", "rollout.max_policy_lag=1", "--set", "lora.rank=16"];
     let out = train(&run, port, &lag).output().unwrap();
     let _ = server.kill();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -105,6 +108,8 @@ fn rollouts_one_update_behind_overlap_the_update_and_still_learn() {
         let want = if prev["update/skipped"] == 0.0 { 1.0 } else { 0.0 };
         assert_eq!(m["rollout/policy_lag"], want, "step {}", m["step"]);
     }
+    let pushed = std::fs::read_dir(run.join("sync")).unwrap().next().unwrap().unwrap().path();
+    assert!(pushed.join("adapter_config.json").is_file() && pushed.join("adapter_model.safetensors").is_file());
     let last = std::fs::read_to_string(run.join("rollouts/step-000030.jsonl")).unwrap();
     let version: Value = serde_json::from_str(last.lines().next().unwrap()).unwrap();
     assert!(version["policy_version"].as_u64().unwrap() <= 28, "{}", version["policy_version"]);
