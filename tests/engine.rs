@@ -62,44 +62,43 @@ fn train_env(env: &Path, run: &Path, port: u16, extra: &[&str]) -> Command {
     c
 }
 
-#[test]
-fn training_on_an_engine_learns_the_tiny_bandit() {
+/// A run of `train` (given the port) against a fresh `serve tiny-llama`, which must succeed.
+fn train_against_server(train: impl FnOnce(u16) -> Command) {
     let port = free_port();
     let mut server = start_server(port);
-    let tmp = tempfile::tempdir().unwrap();
-    let run = tmp.path().join("run");
-    let out = train(&run, port, &["--steps", "30", "--set", "train.val_every=30"]).output().unwrap();
+    let out = train(port).output().unwrap();
     let _ = server.kill();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let vals: Vec<(u64, f64)> = jsonl(&run.join("events.jsonl"))
-        .iter()
-        .filter(|e| e["kind"] == "validation")
-        .map(|e| (e["step"].as_u64().unwrap(), e["val/success"].as_f64().unwrap()))
-        .collect();
+}
+
+/// Validation success at each validation of `run`, in order.
+fn validation_success(run: &Path) -> Vec<f64> {
+    let events = jsonl(&run.join("events.jsonl"));
+    events.iter().filter(|e| e["kind"] == "validation").map(|e| e["val/success"].as_f64().unwrap()).collect()
+}
+
+#[test]
+fn training_on_an_engine_learns_the_tiny_bandit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    train_against_server(|port| train(&run, port, &["--steps", "30", "--set", "train.val_every=30"]));
+    let vals = validation_success(&run);
     assert_eq!(vals.len(), 2, "{vals:?}");
-    assert!(vals[0].1 < 0.5 && vals[1].1 >= 0.9, "validation success before and after 30 steps: {vals:?}");
+    assert!(vals[0] < 0.5 && vals[1] >= 0.9, "validation success before and after 30 steps: {vals:?}");
     // The weights went to the engine after every update, from the run directory.
     assert!(std::fs::read_dir(run.join("sync")).unwrap().count() == 1, "only the latest push is kept");
 }
 
 #[test]
 fn lora_rollouts_one_update_behind_overlap_the_update_and_still_learn() {
-    let port = free_port();
-    let mut server = start_server(port);
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     // LoRA: each push is a PEFT adapter through /v1/load_lora_adapter (the full-weight route is
     // the other test's).
     let lag =
         ["--steps", "30", "--set", "train.val_every=30", "--set", "rollout.max_policy_lag=1", "--set", "lora.rank=16"];
-    let out = train(&run, port, &lag).output().unwrap();
-    let _ = server.kill();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let vals: Vec<f64> = jsonl(&run.join("events.jsonl"))
-        .iter()
-        .filter(|e| e["kind"] == "validation")
-        .map(|e| e["val/success"].as_f64().unwrap())
-        .collect();
+    train_against_server(|port| train(&run, port, &lag));
+    let vals = validation_success(&run);
     assert!(vals[0] < 0.5 && vals[1] >= 0.9, "validation success before and after 30 steps: {vals:?}");
     // Each batch was played before the previous step's update landed: one step behind it
     // whenever that step updated, and every sample says which weights played it.
@@ -164,12 +163,8 @@ fn engine_logprobs_line_up_with_the_policys_and_weight_the_update() {
     let text = std::fs::read_to_string(&exp).unwrap().replace("rewards/format_penalty.rhai", "rewards/length.rhai");
     std::fs::write(&exp, text.replace("constrain_actions: true", "constrain_actions: false")).unwrap();
 
-    let port = free_port();
-    let mut server = start_server(port);
     let run = project.join("run");
-    let out = train_env(&exp, &run, port, &["--steps", "3", "--set", "train.val_every=0"]).output().unwrap();
-    let _ = server.kill();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    train_against_server(|port| train_env(&exp, &run, port, &["--steps", "3", "--set", "train.val_every=0"]));
     let steps = jsonl(&run.join("metrics.jsonl"));
     assert_eq!(steps.len(), 3);
     for m in &steps {

@@ -172,9 +172,8 @@ fn generation(resp: CompletionResponse, base: &str, stop_strings: &[String]) -> 
     let c = resp.choices.into_iter().next().ok_or_else(|| anyhow!("{base}: an answer without choices"))?;
     let l = c.logprobs.unwrap_or_default();
     // llama-server gives the ids only inside its chat-shaped log-probs.
-    let content_ids: Option<Vec<u32>> =
-        (!l.content.is_empty()).then(|| l.content.iter().map(|t| t.id).collect()).flatten();
-    let ids = c.token_ids.or(content_ids).ok_or_else(|| {
+    let content_ids = || l.content.iter().map(|t| t.id).collect::<Option<Vec<u32>>>().filter(|ids| !ids.is_empty());
+    let ids = c.token_ids.or_else(content_ids).ok_or_else(|| {
         anyhow!("{base}: the answer has no token ids; the engine must return them (vLLM and ragen-lab serve: return_token_ids; llama-server: logprobs with ids)")
     })?;
     let logprobs = match l.token_logprobs.is_empty() {

@@ -311,6 +311,7 @@ pub fn rollout(
     rng: &mut Rng,
 ) -> Result<Vec<Trajectory>> {
     let turns = Turns::new(scripts, &plan.params, s)?;
+    let open_tag = policy.encode_plain(turns.open_tag)?;
     let (info, max_turns, limits, system) = (&turns.info, turns.max_turns, turns.limits, &turns.system);
     let gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
@@ -380,7 +381,7 @@ pub fn rollout(
             // compares with the policy's, so no importance correction uses them.
             let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
             let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
-            let verbatim = policy.verbatim_ids(turns.open_tag, &gen.text, &gen.ids);
+            let verbatim = policy.verbatim_ids(&open_tag, &format!("{}{}", turns.open_tag, gen.text), &gen.ids);
             let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim };
             live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
         }
@@ -388,7 +389,6 @@ pub fn rollout(
 
     // 4. Pack every episode: the chat it ends with, the rewards of the turns it shows.
     let versions = Versions::of(scripts);
-    let open_tag = policy.encode_plain(turns.open_tag)?;
     live.into_iter()
         .map(|ep| {
             let rewards: Vec<f64> = ep.turns.iter().map(|t| t.reward).collect();

@@ -195,15 +195,15 @@ impl Policy {
         self.tokenizer.decode(ids, true).map_err(|e| anyhow!("decoding: {e}"))
     }
 
-    /// `tag`'s ids then `sampled` (a trailing end-of-turn id dropped: the chat template writes
-    /// its own), when they decode, special tokens and all, to exactly `tag` + `text`: the ids a
-    /// reply kept as written stands in the chat as (`Message::ids`). None when they do not (a
-    /// stop string cut inside a token, a tokenizer that does not decode losslessly).
-    pub fn verbatim_ids(&self, tag: &str, text: &str, sampled: &[u32]) -> Option<Vec<u32>> {
-        let mut ids = self.encode_plain(tag).ok()?;
-        ids.extend(sampled);
+    /// The opening tag's ids `tag` then `sampled` (a trailing end-of-turn id dropped: the chat
+    /// template writes its own), when they decode, special tokens and all, to exactly `opened`
+    /// (the tag and the reply's text): the ids a reply kept as written stands in the chat as
+    /// (`Message::ids`). None when they do not (a stop string cut inside a token, a tokenizer
+    /// that does not decode losslessly).
+    pub fn verbatim_ids(&self, tag: &[u32], opened: &str, sampled: &[u32]) -> Option<Vec<u32>> {
+        let mut ids = [tag, sampled].concat();
         for _ in 0..2 {
-            if self.tokenizer.decode(&ids, false).ok()? == format!("{tag}{text}") {
+            if self.tokenizer.decode(&ids, false).ok()? == opened {
                 return Some(ids);
             }
             let last = *ids.last()?;

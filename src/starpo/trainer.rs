@@ -313,8 +313,9 @@ pub fn train(opts: Options) -> Result<Summary> {
     // one it replaced comes back (see `roll_back`).
     let mut replaced: Vec<Loaded> = Vec::new();
     // The step whose update last changed the weights (0 = the initial ones): each sample records
-    // the version that generated it. Rollouts are synchronous (RAGEN's), so a sample is never
-    // older than the update it feeds.
+    // the version that generated it. Synchronous rollouts (RAGEN's) are never older than the
+    // update they feed; with rollout.max_policy_lag = 1, `ahead` holds the next step's episodes,
+    // played during this step's update.
     let mut version = start_step;
     let mut ahead: Option<(Vec<Trajectory>, f64, u64)> = None;
     for step in start_step + 1..=total {

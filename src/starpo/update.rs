@@ -56,20 +56,56 @@ pub struct TisStats {
     pub coverage: f64,
 }
 
+/// Running sums behind [`TisStats`], over the update's micro-batches.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct TisSums {
+    weight: f64,
+    ratio_max: f64,
+    k3: f64,
+    /// Scored tokens with an engine log-prob, and all scored tokens.
+    known: f64,
+    scored: f64,
+}
+
+impl TisSums {
+    fn add(&mut self, o: TisSums) {
+        self.weight += o.weight;
+        self.ratio_max = self.ratio_max.max(o.ratio_max);
+        self.k3 += o.k3;
+        self.known += o.known;
+        self.scored += o.scored;
+    }
+
+    fn stats(&self) -> TisStats {
+        let known = self.known.max(1.0);
+        TisStats {
+            weight_mean: self.weight / known,
+            ratio_max: self.ratio_max,
+            kl_rollout: self.k3 / known,
+            coverage: self.known / self.scored.max(1.0),
+        }
+    }
+}
+
 /// Truncated importance sampling (veRL's `rollout_is`, token level): the engine sampled with
-/// log-probs `rollout`, the update's old policy has `old`; each token's advantage is weighted by
-/// min(exp(old − rollout), cap) where `known` (1.0) says the engine's log-prob is there, else 1.
-/// Returns the weights [B, T] and (Σ weight, max ratio, Σ k3 KL, tokens) over the known tokens.
-pub fn tis_weights(old: &Tensor, rollout: &Tensor, known: &Tensor, cap: f64) -> Result<(Tensor, [f64; 4])> {
-    let log_ratio = ((old - rollout)? * known)?;
+/// log-probs `rollout`, the update's old policy has `old`; each scored token (`mask`) whose
+/// engine log-prob is there (`known`, 1.0) has its advantage weighted by
+/// min(exp(old − rollout), cap); every other token by 1. Returns the weights [B, T] and sums.
+fn tis_weights(old: &Tensor, rollout: &Tensor, known: &Tensor, mask: &Tensor, cap: f64) -> Result<(Tensor, TisSums)> {
+    let known = (known * mask)?;
+    let sum = |t: &Tensor| -> Result<f64> { Ok(t.sum_all()?.to_scalar::<f32>()? as f64) };
+    let log_ratio = ((old - rollout)? * &known)?;
     let ratio = log_ratio.exp()?;
     let weight = ratio.clamp(0.0, cap)?;
-    let n = known.sum_all()?.to_scalar::<f32>()? as f64;
-    let sum_w = (&weight * known)?.sum_all()?.to_scalar::<f32>()? as f64;
-    let max_r = (&ratio * known)?.max_all()?.to_scalar::<f32>()? as f64;
-    // k3 of KL(engine ‖ old) with r = π_old / π_engine: (r − 1) − log r.
-    let k3 = (((&ratio - 1.0)? - &log_ratio)? * known)?.sum_all()?.to_scalar::<f32>()? as f64;
-    Ok((weight, [sum_w, max_r, k3, n]))
+    let sums = TisSums {
+        weight: sum(&(&weight * &known)?)?,
+        ratio_max: (&ratio * &known)?.max_all()?.to_scalar::<f32>()? as f64,
+        // k3 of KL(engine ‖ old) with r = π_old / π_engine: (r − 1) − log r.
+        k3: sum(&(((&ratio - 1.0)? - &log_ratio)? * &known)?)?,
+        known: sum(&known)?,
+        scored: sum(mask)?,
+    };
+    Ok((weight, sums))
 }
 
 /// The models and optimisers the update touches.
@@ -168,14 +204,15 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let masks: Vec<Vec<bool>> = items.iter().map(|it| it.packed.mask.clone()).collect();
     let all: Vec<usize> = (0..n).collect();
     let pad = policy.pad_id;
-    // Engine log-probs where the rollout ran on engines (0 and known = 0 elsewhere).
+    // Engine log-probs where the rollout ran on engines: the value (0 where unknown) and 1 where
+    // known.
     let tis = s.rollout.tis_cap > 0.0 && items.iter().any(|it| !it.packed.rollout_logprobs.is_empty());
-    let nan_to = |x: f32, v: f32, known: f32| if x.is_nan() { v } else { known };
-    let roll_lp: Vec<Vec<f32>> =
-        items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| nan_to(x, 0.0, x)).collect()).collect();
-    let roll_known: Vec<Vec<f32>> =
-        items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| nan_to(x, 0.0, 1.0)).collect()).collect();
-    let mut tis_sums = [0.0f64; 5]; // Σ weight, max ratio, Σ k3, known tokens, scored tokens
+    let engine_rows = |f: fn(f32) -> f32| -> Vec<Vec<f32>> {
+        items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| f(x)).collect()).collect()
+    };
+    let roll_lp = engine_rows(|x| if x.is_nan() { 0.0 } else { x });
+    let roll_known = engine_rows(|x| f32::from(u8::from(!x.is_nan())));
+    let mut tis_sums = TisSums::default();
 
     // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph. When the
     // update is a single optimiser step, the policy has not moved before it: the old log-probs
@@ -320,12 +357,8 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                         let old = old.unwrap_or_else(|| scored.logprobs.detach());
                         let ad = match &engine {
                             Some((roll, known)) => {
-                                let (w, sums) = tis_weights(&old, roll, &(known * &mask)?, s.rollout.tis_cap)?;
-                                tis_sums[0] += sums[0];
-                                tis_sums[1] = tis_sums[1].max(sums[1]);
-                                tis_sums[2] += sums[2];
-                                tis_sums[3] += sums[3];
-                                tis_sums[4] += mask.sum_all()?.to_scalar::<f32>()? as f64;
+                                let (w, sums) = tis_weights(&old, roll, known, &mask, s.rollout.tis_cap)?;
+                                tis_sums.add(sums);
                                 (&ad * w)?
                             }
                             None => ad,
@@ -375,12 +408,34 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     stats.value_loss = m.critic.map(|_| sums[5] / c);
     stats.kl = (m.reference.is_some() && sp.kl_coef > 0.0).then_some(kl_sum / c);
     stats.optimizer_steps = count;
-    let known = tis_sums[3].max(1.0);
-    stats.tis = tis.then(|| TisStats {
-        weight_mean: tis_sums[0] / known,
-        ratio_max: tis_sums[1],
-        kl_rollout: tis_sums[2] / known,
-        coverage: tis_sums[3] / tis_sums[4].max(1.0),
-    });
+    stats.tis = tis.then(|| tis_sums.stats());
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tis_weights_are_capped_ratios_on_known_scored_tokens_only() {
+        let dev = Device::Cpu;
+        let row = |v: &[f32]| Tensor::new(v, &dev).unwrap().unsqueeze(0).unwrap();
+        // Token 0: prompt (unscored). 1: ratio e^0.5. 2: ratio e^2, capped at 2. 3: unknown.
+        let old = row(&[-1.0, -1.0, -1.0, -1.0]);
+        let engine = row(&[-3.0, -1.5, -3.0, 0.0]);
+        let known = row(&[1.0, 1.0, 1.0, 0.0]);
+        let mask = row(&[0.0, 1.0, 1.0, 1.0]);
+        let (w, sums) = tis_weights(&old, &engine, &known, &mask, 2.0).unwrap();
+        let w = w.squeeze(0).unwrap().to_vec1::<f32>().unwrap();
+        let (r1, r2) = (0.5f64.exp(), 2f64.exp());
+        for (got, want) in w.iter().zip([1.0, r1, 2.0, 1.0]) {
+            assert!((*got as f64 - want).abs() < 1e-5, "{w:?}");
+        }
+        let t = sums.stats();
+        assert!((t.weight_mean - (r1 + 2.0) / 2.0).abs() < 1e-5, "{t:?}");
+        assert!((t.ratio_max - r2).abs() < 1e-4, "{t:?}");
+        let k3 = |r: f64| r - 1.0 - r.ln();
+        assert!((t.kl_rollout - (k3(r1) + k3(r2)) / 2.0).abs() < 1e-4, "{t:?}");
+        assert!((t.coverage - 2.0 / 3.0).abs() < 1e-6, "{t:?}");
+    }
 }
