@@ -47,6 +47,8 @@ metric_keys! {
     InGroupStdKept = "rollout/in_group_std_kept",
     /// Share of groups the filter kept.
     KeptRatio = "rollout/kept_ratio",
+    /// 1 when the filter kept no group (the step made no update), else 0.
+    EmptyAfterFilter = "rollout/empty_after_filter",
     /// Mean generated tokens per turn.
     ResponseLen = "rollout/response_len",
     /// Mean think tokens per turn.

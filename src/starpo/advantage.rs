@@ -1,9 +1,11 @@
-//! Advantage estimators over one packed trajectory: GAE with a critic (PPO), GRPO's broadcast
-//! score, RAGEN's bi-level GAE, and whitening over the loss mask. Pure `f32` functions, one
-//! sequence at a time; the update turns the results into tensors.
+//! Advantage estimators: GAE with a critic (PPO) and RAGEN's bi-level GAE over one packed
+//! trajectory; the critic-free ones (GRPO, RLOO, REINFORCE++ with and without baseline, ReMax)
+//! as one number per trajectory from its group, spread over its assistant tokens; and whitening
+//! over the loss mask. Pure functions; the update turns the results into tensors.
 //!
 //! Positions follow the policy's log-prob layout: position t scores token t given tokens < t;
 //! `values[t]` is the critic's estimate before token t; `mask[t]` marks assistant tokens.
+use super::settings::AdvantageKind;
 
 /// GAE (Schulman et al. 2016) over every position of one sequence, as veRL
 /// `compute_gae_advantage_return`: δₜ = rₜ + γ·Vₜ₊₁ − Vₜ (V after the end = 0),
@@ -26,12 +28,61 @@ pub fn gae(rewards: &[f32], values: &[f32], gamma: f32, lam: f32) -> (Vec<f32>, 
     (adv, ret)
 }
 
-/// GRPO: the (group-normalised) score on every assistant token, 0 elsewhere.
+/// The critic-free estimators' advantage of each trajectory, from the scores of its group
+/// (veRL `core_algos`, with a one-member group's mean 0 and std 1 as there):
+/// - GRPO: (R − μ)/(σ + 1e-6), σ the sample std; R − μ without `norm_by_std` (Dr. GRPO);
+/// - RLOO: R − (mean of the others) = (n·R − Σ)/(n − 1);
+/// - REINFORCE++-baseline: R − μ; REINFORCE++: R (both are whitened later, token level);
+/// - ReMax: R − b, b the score of the group's greedy episode (`baselines[g]`);
+/// - GAE and bi-level GAE: R (the critic supplies the baseline).
+///
+/// # Shapes
+/// `scores`: [N]; `groups`: [G] lists of indices into `scores`; `baselines`: [G] (ReMax only,
+/// else ignored) → [N].
+pub fn outcome(
+    kind: AdvantageKind,
+    scores: &[f64],
+    groups: &[Vec<usize>],
+    baselines: &[f64],
+    norm_by_std: bool,
+) -> Vec<f64> {
+    let mut out = scores.to_vec();
+    for (g, members) in groups.iter().enumerate() {
+        let xs: Vec<f64> = members.iter().map(|&i| scores[i]).collect();
+        let n = xs.len() as f64;
+        let (mean, std) = if xs.len() > 1 { super::normalize::mean_std(&xs) } else { (0.0, 1.0) };
+        let sum: f64 = xs.iter().sum();
+        for (&i, &x) in members.iter().zip(&xs) {
+            out[i] = match kind {
+                AdvantageKind::Grpo if norm_by_std => (x - mean) / (std + 1e-6),
+                AdvantageKind::Grpo | AdvantageKind::ReinforcePlusPlusBaseline => x - mean,
+                AdvantageKind::Rloo if xs.len() > 1 => (n * x - sum) / (n - 1.0),
+                AdvantageKind::Remax => x - baselines[g],
+                _ => x,
+            };
+        }
+    }
+    out
+}
+
+/// A trajectory's advantage on its assistant tokens, discounted by γ per assistant token from
+/// the last one (REINFORCE++'s return; the other outcome estimators use γ = 1), 0 elsewhere.
+/// veRL zeroes the running return at the first non-assistant token, which in a packed
+/// multi-turn sequence would leave every turn but the last without credit; here the discount
+/// counts assistant tokens only, so each turn gets γ^(tokens after it) · A.
 ///
 /// # Shapes
 /// `mask`: [T] → [T].
-pub fn grpo(score: f32, mask: &[bool]) -> Vec<f32> {
-    mask.iter().map(|&m| if m { score } else { 0.0 }).collect()
+pub fn spread(advantage: f32, mask: &[bool], gamma: f32) -> Vec<f32> {
+    let mut out = vec![0.0; mask.len()];
+    let mut running = advantage;
+    for t in (0..mask.len()).rev() {
+        if mask[t] {
+            out[t] = running;
+            running *= gamma;
+        }
+    }
+    out
 }
 
 /// Bi-level GAE (RAGEN `compute_bi_level_gae_advantage_return`).
@@ -139,8 +190,38 @@ mod tests {
     }
 
     #[test]
-    fn grpo_broadcasts_the_score_on_assistant_tokens() {
-        close(&grpo(0.7, &[false, true, true, false, true]), &[0.0, 0.7, 0.7, 0.0, 0.7]);
+    fn spread_puts_the_advantage_on_assistant_tokens_discounted_from_the_end() {
+        close(&spread(0.7, &[false, true, true, false, true], 1.0), &[0.0, 0.7, 0.7, 0.0, 0.7]);
+        // γ = 0.5 counts assistant tokens only: the user token between turns costs nothing.
+        close(&spread(1.0, &[false, true, true, false, true], 0.5), &[0.0, 0.25, 0.5, 0.0, 1.0]);
+    }
+
+    fn outcome_of(kind: AdvantageKind, norm_by_std: bool) -> Vec<f64> {
+        // Group 0: scores 1, 2, 6 (μ = 3, sample σ = √7); group 1: a lone 5; ReMax baselines 2, 4.
+        outcome(kind, &[1.0, 2.0, 6.0, 5.0], &[vec![0, 1, 2], vec![3]], &[2.0, 4.0], norm_by_std)
+    }
+
+    fn close64(a: &[f64], b: &[f64]) {
+        assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() < 1e-6, "{a:?} vs {b:?}");
+        }
+    }
+
+    #[test]
+    fn outcome_estimators_by_hand() {
+        let s7 = 7f64.sqrt() + 1e-6;
+        // GRPO: (x − 3)/√7; the lone member: (5 − 0)/(1 + 1e-6).
+        close64(&outcome_of(AdvantageKind::Grpo, true), &[-2.0 / s7, -1.0 / s7, 3.0 / s7, 5.0 / (1.0 + 1e-6)]);
+        // Dr. GRPO and REINFORCE++-baseline: x − μ (μ = 0 alone).
+        close64(&outcome_of(AdvantageKind::Grpo, false), &[-2.0, -1.0, 3.0, 5.0]);
+        close64(&outcome_of(AdvantageKind::ReinforcePlusPlusBaseline, true), &[-2.0, -1.0, 3.0, 5.0]);
+        // RLOO: x − mean of the other two: 1 − 4, 2 − 3.5, 6 − 1.5; alone: x.
+        close64(&outcome_of(AdvantageKind::Rloo, true), &[-3.0, -1.5, 4.5, 5.0]);
+        // ReMax: x − the group's greedy score.
+        close64(&outcome_of(AdvantageKind::Remax, true), &[-1.0, 0.0, 4.0, 1.0]);
+        close64(&outcome_of(AdvantageKind::ReinforcePlusPlus, true), &[1.0, 2.0, 6.0, 5.0]);
+        close64(&outcome_of(AdvantageKind::Gae, true), &[1.0, 2.0, 6.0, 5.0]);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! assistant tokens and 0.0 elsewhere (padding included).
 use candle_core::{Result, Tensor};
 
-use super::settings::KlKind;
+use super::settings::{KlKind, LossAgg};
 
 /// Token-mean within each sequence, then the mean over sequences: (1/B) Σ_b Σ_t x·m / Σ_t m.
 /// A sequence with no masked token contributes 0.
@@ -18,6 +18,24 @@ pub fn seq_mean_token_mean(x: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let per_seq = (x * mask)?.sum(1)?; // [B]
     let counts = mask.sum(1)?.clamp(1.0, f64::INFINITY)?; // [B]
     (per_seq / counts)?.mean(0)
+}
+
+/// One micro-batch's share of its mini-batch's aggregated loss (veRL `agg_loss`), so that the
+/// shares of a mini-batch's micro-batches add up to the loss of the whole mini-batch of `rows`
+/// sequences holding `tokens` assistant tokens:
+/// - token-mean: Σ_b Σ_t x·m / tokens;
+/// - seq-mean-token-mean: Σ_b (Σ_t x·m / Σ_t m) / rows;
+/// - seq-mean-token-sum: Σ_b Σ_t x·m / rows (Dr. GRPO).
+///
+/// # Shapes
+/// `x`, `mask`: [B, T] → scalar.
+pub fn agg_share(x: &Tensor, mask: &Tensor, mode: LossAgg, rows: usize, tokens: f64) -> Result<Tensor> {
+    let per_seq = (x * mask)?.sum(1)?; // [B]
+    match mode {
+        LossAgg::TokenMean => per_seq.sum(0)? / tokens.max(1.0),
+        LossAgg::SeqMeanTokenMean => (per_seq / mask.sum(1)?.clamp(1.0, f64::INFINITY)?)?.sum(0)? / rows.max(1) as f64,
+        LossAgg::SeqMeanTokenSum => per_seq.sum(0)? / rows.max(1) as f64,
+    }
 }
 
 /// The per-token PPO loss and whether the clip bound (veRL `compute_policy_loss`):
@@ -105,6 +123,23 @@ mod tests {
         let x = t(&[&[1.0, 3.0, 5.0], &[10.0, 7.0, 7.0]]);
         let m = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0]]);
         close(seq_mean_token_mean(&x, &m).unwrap().to_scalar().unwrap(), 6.0);
+    }
+
+    #[test]
+    fn aggregation_shares_add_up_to_the_mini_batch_loss() {
+        // A mini-batch of 3 sequences in two micro-batches; assistant tokens: [1, 3], [10], [2, 2, 2].
+        let a = t(&[&[1.0, 3.0, 5.0], &[10.0, 7.0, 7.0]]);
+        let am = t(&[&[1.0, 1.0, 0.0], &[1.0, 0.0, 0.0]]);
+        let b = t(&[&[2.0, 2.0, 2.0]]);
+        let bm = t(&[&[1.0, 1.0, 1.0]]);
+        let total = |mode| {
+            let share = |x, m| agg_share(x, m, mode, 3, 6.0).unwrap().to_scalar::<f32>().unwrap();
+            share(&a, &am) + share(&b, &bm)
+        };
+        // token-mean: (1 + 3 + 10 + 6)/6; seq-mean-token-mean: (2 + 10 + 2)/3; seq-sum: (4 + 10 + 6)/3.
+        close(total(LossAgg::TokenMean), 20.0 / 6.0);
+        close(total(LossAgg::SeqMeanTokenMean), 14.0 / 3.0);
+        close(total(LossAgg::SeqMeanTokenSum), 20.0 / 3.0);
     }
 
     #[test]

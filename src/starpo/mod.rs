@@ -5,6 +5,7 @@
 //! Read `trainer.rs` top to bottom for the algorithm; the math lives in small pure modules.
 pub mod advantage;
 pub mod bench;
+pub mod early_stop;
 pub mod eval;
 pub mod filter;
 pub mod loss;

@@ -1,6 +1,7 @@
-//! Per-group reward normalisation of trajectory scores (RAGEN `agent_proxy.reward_normalization`,
-//! grouping by start state). Pure functions over `f64` slices; no tensors.
-use super::settings::RewardNorm;
+//! Reward normalisation of trajectory scores (RAGEN `agent_proxy.reward_normalization`): the
+//! groups sharing statistics (a start state, the batch, an env) and the method. Pure functions
+//! over `f64` slices; no tensors.
+use super::settings::{NormGrouping, RewardNorm};
 
 /// Mean and sample (Bessel-corrected, as torch's `std`) standard deviation; std 0 for one element.
 /// Computed on the scores divided by their largest magnitude, so scores near ±1e308 do not
@@ -37,24 +38,37 @@ fn scaled_mean_std(xs: &[f64]) -> (f64, f64, f64) {
 /// batch; we check it per group, so one constant group cannot blow up while others vary). It is
 /// computed on scaled scores (see [`mean_std`]), so extreme but finite scores stay finite.
 pub fn normalize_group(scores: &[f64], method: RewardNorm) -> Vec<f64> {
-    let (scale, mu, sigma) = scaled_mean_std(scores);
-    // (x − μ)/(σ + ε) with every term divided by `scale`.
-    let standard = |x: f64| if sigma * scale < 1e-6 { 0.0 } else { (x / scale - mu) / (sigma + 1e-6 / scale) };
-    scores
-        .iter()
-        .map(|&x| match method {
-            RewardNorm::Identity => x,
-            RewardNorm::Mean => (x / scale - mu) * scale,
-            RewardNorm::MeanStd => standard(x),
-            RewardNorm::AsymClip => standard(x).clamp(-1.0, 3.0),
-        })
-        .collect()
+    let f = normalizer(scores, method);
+    scores.iter().map(|&x| f(x)).collect()
 }
 
-/// Normalise every group of a batch laid out group-major (`groups[g]` are indices into `scores`).
-pub fn normalize(scores: &[f64], groups: &[Vec<usize>], method: RewardNorm) -> Vec<f64> {
+/// The map x ↦ normalised x under one group's statistics; it applies to a score outside the
+/// group too (ReMax's greedy baseline is normalised as its group is).
+pub fn normalizer(scores: &[f64], method: RewardNorm) -> impl Fn(f64) -> f64 {
+    let (scale, mu, sigma) = scaled_mean_std(scores);
+    // (x − μ)/(σ + ε) with every term divided by `scale`.
+    let standard = move |x: f64| if sigma * scale < 1e-6 { 0.0 } else { (x / scale - mu) / (sigma + 1e-6 / scale) };
+    move |x| match method {
+        RewardNorm::Identity => x,
+        RewardNorm::Mean => (x / scale - mu) * scale,
+        RewardNorm::MeanStd => standard(x),
+        RewardNorm::AsymClip => standard(x).clamp(-1.0, 3.0),
+    }
+}
+
+/// The sets of trajectories that share normalisation statistics: each env group (`state`), or
+/// the whole batch (`batch`, and `inductive`: one env per experiment, so one tag).
+pub fn norm_groups(grouping: NormGrouping, groups: &[Vec<usize>]) -> Vec<Vec<usize>> {
+    match grouping {
+        NormGrouping::State => groups.to_vec(),
+        NormGrouping::Batch | NormGrouping::Inductive => vec![groups.concat()],
+    }
+}
+
+/// Normalise every set of a batch (`sets[k]` are indices into `scores`).
+pub fn normalize(scores: &[f64], sets: &[Vec<usize>], method: RewardNorm) -> Vec<f64> {
     let mut out = scores.to_vec();
-    for members in groups {
+    for members in sets {
         let group: Vec<f64> = members.iter().map(|&i| scores[i]).collect();
         for (&i, v) in members.iter().zip(normalize_group(&group, method)) {
             out[i] = v;
@@ -110,5 +124,19 @@ mod tests {
         let scores = [1.0, 3.0, 10.0, 30.0];
         let groups = vec![vec![0, 1], vec![2, 3]];
         close(&normalize(&scores, &groups, RewardNorm::Mean), &[-1.0, 1.0, -10.0, 10.0]);
+        // batch grouping: one set, μ = 11 → [-10, -8, -1, 19]
+        let batch = norm_groups(NormGrouping::Batch, &groups);
+        assert_eq!(batch, vec![vec![0, 1, 2, 3]]);
+        close(&normalize(&scores, &batch, RewardNorm::Mean), &[-10.0, -8.0, -1.0, 19.0]);
+        assert_eq!(norm_groups(NormGrouping::Inductive, &groups), batch);
+        assert_eq!(norm_groups(NormGrouping::State, &groups), groups);
+    }
+
+    #[test]
+    fn a_score_outside_the_group_is_normalised_by_its_statistics() {
+        // Group [0, 0, 1, 1]: μ = 0.5, σ = 0.57735; a greedy baseline of 1 maps to z(1).
+        let z = normalizer(&[0.0, 0.0, 1.0, 1.0], RewardNorm::MeanStd);
+        assert!((z(1.0) - 0.5 / (0.577_350_3 + 1e-6)).abs() < 1e-5);
+        assert_eq!(normalizer(&[3.0], RewardNorm::Identity)(7.0), 7.0);
     }
 }

@@ -17,6 +17,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::early_stop::Stop;
 pub use crate::agent::rollout::Rollout;
 use crate::metrics::echo_trap::EchoSettings;
 
@@ -35,17 +36,99 @@ pub enum RewardNorm {
     AsymClip,
 }
 
-/// Which groups the StarPO-S filter keeps.
+/// Which groups the StarPO-S filter keeps (RAGEN-2 `rollout_filter_strategy`, plus v1's `std`).
+/// Every strategy ranks the groups by `starpo.filter_metric` (`filter::select`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FilterKind {
     /// Keep every group (vanilla StarPO).
     None,
-    /// Keep the top `filter_ratio` fraction of groups by reward std (RAGEN v1 StarPO-S).
+    /// RAGEN v1: the top `filter_ratio` fraction of groups by reward std, whatever the
+    /// metric and type settings say (= `top_k` on `reward_variance`, `largest`).
     Std,
-    /// RAGEN-2 top-p: drop zero-variance groups, keep the highest-variance groups until they
-    /// hold `filter_top_p` of the total variance.
+    /// Nucleus over groups: keep the best groups until they hold `filter_top_p` of the metric's
+    /// total (`filter_top_p_mode` linear) or of its softmax (softmax).
     TopP,
+    /// The best `int(filter_ratio × groups)` groups (at least one).
+    TopK,
+    /// The best `filter_k` groups.
+    TopKAbs,
+    /// Groups whose metric is within `filter_min_p` of the best (≥ p·max for largest,
+    /// ≤ min/p for smallest).
+    MinP,
+}
+
+/// What the filter ranks groups by (RAGEN-2 `rollout_filter_metric`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterMetric {
+    /// In-group std of the trajectory scores (RAGEN-2's name; it is the std, not σ²).
+    RewardVariance,
+    /// In-group mean score.
+    Reward,
+    /// In-group sum of scores.
+    RewardSum,
+    /// In-group mean of the trajectories' mean token entropy (one no-grad pass over the batch).
+    Entropy,
+    /// In-group std of that entropy.
+    EntropyVariance,
+    /// In-group mean of the trajectories' trained (assistant) tokens.
+    Length,
+}
+
+/// Whether the filter keeps the groups with the largest or the smallest metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterType {
+    Largest,
+    Smallest,
+}
+
+/// How `top_p` turns metrics into shares (RAGEN-2 `rollout_filter_top_p_prob_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TopPMode {
+    /// Shares proportional to the metric; positive metrics only; empty when p is out of reach.
+    Linear,
+    /// Shares = softmax of the metric (of its negative for `smallest`).
+    Softmax,
+}
+
+/// Scale the advantages by the share of groups the filter kept (RAGEN-2 `filter_loss_scaling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FilterLossScaling {
+    None,
+    /// × kept share.
+    Linear,
+    /// × √(kept share).
+    Sqrt,
+}
+
+/// Which trajectories share the statistics of score normalisation (RAGEN
+/// `reward_normalization.grouping`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormGrouping {
+    /// The trajectories of one start state (one env group).
+    State,
+    /// The whole batch.
+    Batch,
+    /// The trajectories of one env (RAGEN's env tag); an experiment trains on one env, so
+    /// this is the whole batch here.
+    Inductive,
+}
+
+/// How the token losses of a mini-batch become one number (veRL `loss_agg_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAgg {
+    /// Mean over every assistant token of the mini-batch: long sequences weigh more.
+    TokenMean,
+    /// Mean within each sequence, then over sequences (RAGEN v1's effective aggregation).
+    SeqMeanTokenMean,
+    /// Sum within each sequence, mean over sequences (Dr. GRPO: no length normalisation).
+    SeqMeanTokenSum,
 }
 
 /// The advantage estimator.
@@ -54,10 +137,18 @@ pub enum FilterKind {
 pub enum AdvantageKind {
     /// GAE with a learned critic over the packed sequence (PPO).
     Gae,
-    /// The group-normalised score on every assistant token (no critic).
+    /// The group-relative score (R − μ)/(σ + ε) on every assistant token (no critic).
     Grpo,
     /// Turn-level GAE between turn ends, then token-level GAE inside each turn (needs a critic).
     BiLevelGae,
+    /// REINFORCE++: the score's discounted return on each assistant token, whitened over the batch.
+    ReinforcePlusPlus,
+    /// REINFORCE++ with the group mean as baseline: R − μ, whitened over the batch.
+    ReinforcePlusPlusBaseline,
+    /// RLOO: R minus the mean of the other episodes of its group.
+    Rloo,
+    /// ReMax: R minus the score of one greedy episode from the same start state (played per group).
+    Remax,
 }
 
 /// The KL estimator for the loss against the frozen reference.
@@ -73,16 +164,34 @@ pub enum KlKind {
 settings_section! {
     /// StarPO / StarPO-S: normalisation, filtering, advantages and losses.
     Starpo {
-        /// Advantage estimator: gae (PPO), grpo, bi_level_gae.
+        /// Advantage estimator: gae (PPO), grpo, bi_level_gae, reinforce_plus_plus,
+        /// reinforce_plus_plus_baseline, rloo, remax.
         advantage: AdvantageKind = AdvantageKind::Gae,
         /// Per-group score normalisation: identity, mean_std, mean, asym_clip.
         reward_norm: RewardNorm = RewardNorm::Identity,
-        /// StarPO-S rollout filter: none, std (top fraction by std), top_p (RAGEN-2).
+        /// Who shares normalisation statistics: state (a group), batch, inductive (an env).
+        reward_norm_grouping: NormGrouping = NormGrouping::State,
+        /// StarPO-S rollout filter: none, std (RAGEN v1), top_p, top_k, top_k_abs, min_p (RAGEN-2).
         filter: FilterKind = FilterKind::Std,
-        /// Fraction of groups kept by the `std` filter (RAGEN rollout_filter_ratio).
+        /// Fraction of groups kept by the `std` and `top_k` filters (RAGEN rollout_filter_ratio).
         filter_ratio: f64 = 0.25,
-        /// Share of the total in-group variance kept by the `top_p` filter.
+        /// Share kept by the `top_p` filter (RAGEN-2 rollout_filter_value).
         filter_top_p: f64 = 0.9,
+        /// top_p shares: linear (proportional to the metric) or softmax.
+        filter_top_p_mode: TopPMode = TopPMode::Linear,
+        /// Groups kept by the `top_k_abs` filter.
+        filter_k: usize = 2,
+        /// Ratio to the best group's metric for the `min_p` filter.
+        filter_min_p: f64 = 0.5,
+        /// What groups are ranked by: reward_variance (the std), reward, reward_sum, entropy,
+        /// entropy_variance, length.
+        filter_metric: FilterMetric = FilterMetric::RewardVariance,
+        /// Keep the largest or the smallest metrics.
+        filter_type: FilterType = FilterType::Largest,
+        /// Whether groups whose metric is 0 may be kept (RAGEN-2 rollout_filter_include_zero).
+        filter_include_zero: bool = true,
+        /// Scale advantages by the kept share of groups: none, linear, sqrt.
+        filter_loss_scaling: FilterLossScaling = FilterLossScaling::None,
         /// Token-level discount γ for GAE.
         gamma: f64 = 1.0,
         /// GAE λ.
@@ -103,8 +212,13 @@ settings_section! {
         kl_type: KlKind = KlKind::K1,
         /// Value-loss clip range around the rollout-time values.
         value_clip: f64 = 0.5,
-        /// Whiten GAE advantages over the assistant tokens of the batch.
+        /// Whiten GAE and bi-level GAE advantages over the assistant tokens of the batch
+        /// (REINFORCE++ always whitens; GRPO, RLOO and ReMax never do).
         whiten: bool = true,
+        /// GRPO divides by the in-group std (false: R − μ only, Dr. GRPO).
+        norm_adv_by_std_in_grpo: bool = true,
+        /// Token losses to one number: token-mean, seq-mean-token-mean, seq-mean-token-sum.
+        loss_agg_mode: LossAgg = LossAgg::SeqMeanTokenMean,
     }
 }
 
@@ -183,7 +297,8 @@ settings_section! {
     }
 }
 
-/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`, `lora.*`, `echo.*`.
+/// All training settings. Dotted keys: `rollout.*`, `starpo.*`, `optim.*`, `train.*`, `lora.*`,
+/// `echo.*`, `stop.*`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
@@ -194,6 +309,8 @@ pub struct Settings {
     pub lora: Lora,
     /// Echo-Trap alarm thresholds (declared by the metrics module).
     pub echo: EchoSettings,
+    /// RAGEN-2's early stops (declared by `starpo::early_stop`; off by default).
+    pub stop: Stop,
 }
 
 /// The named starting points.
@@ -204,6 +321,11 @@ pub enum Preset {
     Starpo,
     /// StarPO-S (default): top 25% of groups by reward std, clip-higher 0.28, no KL.
     StarpoS,
+    /// StarPO-S with RAGEN-2's recommended filter: top-p 0.9 (linear) of the in-group reward
+    /// std, zero-std groups dropped; a step with nothing kept is skipped.
+    #[value(name = "starpo-s2")]
+    #[serde(rename = "starpo-s2")]
+    StarpoS2,
 }
 
 /// `--algo`: the advantage estimator family.
@@ -233,10 +355,22 @@ impl Settings {
         s
     }
 
+    /// StarPO-S with RAGEN-2's recommended filter (`scripts/runs` of the v2 repo and its docs:
+    /// top_p 0.9, linear, reward_variance, largest, include_zero false): a diff from the defaults.
+    pub fn starpo_s2() -> Self {
+        let mut s = Self::default();
+        let f = &mut s.starpo;
+        (f.filter, f.filter_top_p, f.filter_top_p_mode) = (FilterKind::TopP, 0.9, TopPMode::Linear);
+        (f.filter_metric, f.filter_type, f.filter_include_zero) =
+            (FilterMetric::RewardVariance, FilterType::Largest, false);
+        s
+    }
+
     pub fn preset(p: Preset) -> Self {
         match p {
             Preset::Starpo => Self::starpo(),
             Preset::StarpoS => Self::starpo_s(),
+            Preset::StarpoS2 => Self::starpo_s2(),
         }
     }
 
@@ -273,13 +407,14 @@ impl Settings {
     /// Every dotted key with its default (as JSON text) and doc, in declaration order.
     pub fn describe() -> Vec<(String, String, String)> {
         let defaults = serde_json::to_value(Settings::default()).expect("settings serialise");
-        let sections: [(&str, &[(&str, &str)]); 6] = [
+        let sections: [(&str, &[(&str, &str)]); 7] = [
             ("rollout", Rollout::DOCS),
             ("starpo", Starpo::DOCS),
             ("optim", Optim::DOCS),
             ("train", Train::DOCS),
             ("lora", Lora::DOCS),
             ("echo", EchoSettings::DOCS),
+            ("stop", Stop::DOCS),
         ];
         let mut out = Vec::new();
         for (section, docs) in sections {
@@ -338,7 +473,8 @@ impl Settings {
     /// Check ranges and combinations; errors name the setting.
     pub fn validate(&self) -> Result<()> {
         let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
-        let checks: [(bool, &str); 20] = [
+        let st = &self.stop;
+        let checks: [(bool, &str); 23] = [
             (r.backend == "local" || r.backend == "http", "rollout.backend must be \"local\" or \"http\""),
             (
                 r.backend == "local" || r.think_budget == 0,
@@ -359,6 +495,12 @@ impl Settings {
             (r.top_p > 0.0 && r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
             (s.filter_ratio > 0.0 && s.filter_ratio <= 1.0, "starpo.filter_ratio must be in (0, 1]"),
             (s.filter_top_p > 0.0 && s.filter_top_p <= 1.0, "starpo.filter_top_p must be in (0, 1]"),
+            (s.filter_k >= 1, "starpo.filter_k must be at least 1"),
+            (s.filter_min_p > 0.0 && s.filter_min_p <= 1.0, "starpo.filter_min_p must be in (0, 1]"),
+            (
+                st.std_fraction > 0.0 && st.std_fraction < 1.0,
+                "stop.std_fraction must be in (0, 1): the share of the early in-group std that counts as collapsed",
+            ),
             (
                 (0.0..=1.0).contains(&s.gamma) && (0.0..=1.0).contains(&s.lam),
                 "starpo.gamma and starpo.lam must be in [0, 1]",
@@ -441,6 +583,12 @@ mod tests {
         assert_eq!(v.starpo.filter, FilterKind::None);
         assert_eq!((v.starpo.clip_high, v.starpo.kl_coef), (0.2, 0.001));
         assert_eq!((s.rollout, s.optim, s.train, s.echo), (v.rollout, v.optim, v.train, v.echo));
+        let s2 = Settings::starpo_s2();
+        assert_eq!(
+            (s2.starpo.filter, s2.starpo.filter_top_p, s2.starpo.filter_include_zero),
+            (FilterKind::TopP, 0.9, false)
+        );
+        assert_eq!((s2.starpo.clip_high, s2.starpo.kl_coef, s2.stop), (0.28, 0.0, s.stop));
     }
 
     #[test]
@@ -496,7 +644,8 @@ mod tests {
             + Optim::DOCS.len()
             + Train::DOCS.len()
             + Lora::DOCS.len()
-            + EchoSettings::DOCS.len();
+            + EchoSettings::DOCS.len()
+            + Stop::DOCS.len();
         assert_eq!(d.len(), n);
         let clip = d.iter().find(|(k, _, _)| k == "starpo.clip_high").unwrap();
         assert_eq!(clip.1, "0.28");

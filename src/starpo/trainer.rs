@@ -5,12 +5,13 @@
 //!     1. swap in edited scripts at the step boundary (the script watcher compiles and
 //!        smoke-tests them off the hot path; a broken edit is reported, the old version stays)
 //!     2. rollout: P groups × N episodes on fresh seeds
-//!     3. score: R(τ) per trajectory, normalised per group
-//!     4. filter: StarPO-S keeps the groups with the most reward variance
-//!     5. update (update.rs, RAGEN `fit` order)
+//!     3. score: R(τ) per trajectory, normalised per group (or batch)
+//!     4. filter: StarPO-S keeps the groups with the most reward variance (or RAGEN-2's rules)
+//!     5. advantages of the critic-free estimators from the groups; update (update.rs, RAGEN
+//!        `fit` order)
 //!     6. log: metrics.jsonl, rollouts, Echo-Trap alarms, TensorBoard, the progress bar
 //!     7. validate every n steps (fixed seeds, temperature 0.5, and the held-out variant)
-//!     8. checkpoint every n steps (and on Ctrl-C, and at the end)
+//!     8. checkpoint every n steps (and on Ctrl-C, an early stop, and at the end)
 //!
 //! Helpers below `train` turn rollouts into metric lines and trajectory lines.
 use std::path::{Path, PathBuf};
@@ -22,12 +23,14 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
 
-use super::filter::{group_stds, top_by_std, top_p_by_variance};
-use super::normalize::normalize;
+use super::advantage::outcome;
+use super::early_stop::{EarlyStop, Stopped};
+use super::filter::{group_metric, group_stds, select};
+use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
 use super::rundir::{now, peak_rss_mb, RunDir};
-use super::settings::{Algo, FilterKind, Preset, Settings};
-use super::update::{update, Item, Models, UpdateStats};
+use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings};
+use super::update::{mean_entropies, update, Item, Models, UpdateStats};
 use crate::agent::engine::{HttpEngine, WeightSync};
 use crate::agent::pack::distinct_positions;
 use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
@@ -87,6 +90,8 @@ pub struct Summary {
     pub validations: Vec<(u64, Map<String, Value>)>,
     pub checkpoint: Option<PathBuf>,
     pub alarms: Vec<String>,
+    /// Why the run stopped before its last step (`stop.*`), if it did.
+    pub early_stop: Option<String>,
 }
 
 /// Preset → the experiment script's settings → `--algo` → `--set` flags → validate. Command-line
@@ -278,7 +283,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         validations: Vec::new(),
         checkpoint: None,
         alarms: Vec::new(),
+        early_stop: None,
     };
+    let mut stops = EarlyStop::default();
     let save =
         |run: &RunDir, step: u64, policy: &Policy, critic: &Option<Critic>, a: &AdamW, c: &Option<AdamW>, rng: &Rng| {
             run.save_checkpoint(step, s.train.keep_checkpoints, |dir| {
@@ -317,7 +324,7 @@ pub fn train(opts: Options) -> Result<Summary> {
     // update they feed; with rollout.max_policy_lag = 1, `ahead` holds the next step's episodes,
     // played during this step's update.
     let mut version = start_step;
-    let mut ahead: Option<(Vec<Trajectory>, f64, u64)> = None;
+    let mut ahead: Option<Played> = None;
     for step in start_step + 1..=total {
         if opts.stop.load(Ordering::SeqCst) {
             summary.interrupted = true;
@@ -358,42 +365,81 @@ pub fn train(opts: Options) -> Result<Summary> {
         // plays step k's episodes, timed, stamped with the weights that play them.
         let play = |k: u64, scripts: &mut ExperimentScripts, replaced: &mut Vec<Loaded>, rng: &mut Rng| {
             let t0 = Instant::now();
-            let trajs = play_step(k, &policy, engine.as_ref(), scripts, replaced, &exp, &s, &run, &bar, rng)?;
-            anyhow::Ok((trajs, t0.elapsed().as_secs_f64(), version))
+            let (trajs, greedy) = play_step(k, &policy, engine.as_ref(), scripts, replaced, &exp, &s, &run, &bar, rng)?;
+            anyhow::Ok(Played { trajs, greedy, seconds: t0.elapsed().as_secs_f64(), version })
         };
-        let (trajs, rollout_s, sampled_by) = match ahead.take() {
+        let Played { trajs, greedy, seconds: rollout_s, version: sampled_by } = match ahead.take() {
             Some(r) => r,
             None => play(step, &mut scripts, &mut replaced, &mut rng)?,
         };
 
-        // 3. Score and normalise per group.
+        // 3. Score and normalise within each group (or the batch: starpo.reward_norm_grouping).
         let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();
         let members = groups(&trajs);
-        let normed = normalize(&scores, &members, s.starpo.reward_norm);
+        let sets = norm_groups(s.starpo.reward_norm_grouping, &members);
+        let normed = normalize(&scores, &sets, s.starpo.reward_norm);
 
-        // 4. Filter whole groups by in-group reward std.
+        // 4. Filter whole groups, ranked by in-group reward std (or the chosen metric).
         let stds = group_stds(&scores, &members);
-        let kept_groups = match s.starpo.filter {
-            FilterKind::None => (0..members.len()).collect(),
-            FilterKind::Std => top_by_std(&stds, s.starpo.filter_ratio),
-            FilterKind::TopP => top_p_by_variance(&stds, s.starpo.filter_top_p),
+        let metric = match s.starpo.filter {
+            FilterKind::None | FilterKind::Std => stds.clone(),
+            _ => {
+                let entropies = match s.starpo.filter_metric {
+                    FilterMetric::Entropy | FilterMetric::EntropyVariance => {
+                        let packed: Vec<_> = trajs.iter().map(|t| &t.packed).collect();
+                        phase::timed(Phase::OldLogprobs, || mean_entropies(&policy, &packed, s.optim.micro_batch_size))?
+                    }
+                    _ => Vec::new(),
+                };
+                let lengths: Vec<f64> =
+                    trajs.iter().map(|t| t.packed.mask.iter().filter(|&&m| m).count() as f64).collect();
+                group_metric(s.starpo.filter_metric, &scores, &entropies, &lengths, &members)
+            }
         };
+        let kept_groups = select(&metric, &s.starpo);
         let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].clone()).collect();
+        let kept_share = kept_groups.len() as f64 / members.len().max(1) as f64;
 
-        // 5. Update on the kept trajectories. Without a critic the advantage is the normalised
-        // score; when it is 0 for every kept trajectory (GRPO on groups with no reward variance)
-        // the update would apply only the entropy bonus, which AdamW scales to a full-size step,
-        // and the policy drifts (SmolLM2 on FrozenLake: entropy 2.5 → 4.0 in 3 such steps).
-        let no_signal = !s.needs_critic() && kept.iter().all(|&i| normed[i] == 0.0);
-        if no_signal {
+        // 5. Advantages of the critic-free estimators, from each group's normalised scores (ReMax:
+        // less the group's greedy episode, normalised as its set is); the critic ones take the
+        // normalised score. Skipped when nothing is kept, or when every kept advantage is 0 (or,
+        // for the whitened REINFORCE++, all equal): the update would apply only the entropy
+        // bonus, which AdamW scales to a full-size step, and the policy drifts (SmolLM2 on
+        // FrozenLake: entropy 2.5 → 4.0 in 3 such steps).
+        let baselines: Vec<f64> = greedy
+            .iter()
+            .enumerate()
+            .map(|(g, &b)| {
+                let set = sets.iter().find(|m| m.contains(&members[g][0])).expect("every group is in a set");
+                normalizer(&set.iter().map(|&i| scores[i]).collect::<Vec<_>>(), s.starpo.reward_norm)(b)
+            })
+            .collect();
+        let adv = outcome(s.starpo.advantage, &normed, &members, &baselines, s.starpo.norm_adv_by_std_in_grpo);
+        let whitened =
+            matches!(s.starpo.advantage, AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline);
+        let flat = |x: f64| if whitened { x == adv[kept[0]] } else { x == 0.0 };
+        let no_signal = !kept.is_empty() && !s.needs_critic() && kept.iter().all(|&i| flat(adv[i]));
+        if kept.is_empty() {
+            let msg = format!(
+                "the filter kept no group ({:?} of {:?}): update skipped",
+                s.starpo.filter, s.starpo.filter_metric
+            );
+            run.event(step, "empty_filter", &msg, Map::new())?;
+        } else if no_signal {
             let msg = "every kept advantage is 0 (no reward variance in the kept groups): update skipped";
             run.event(step, "no_signal", msg, Map::new())?;
         }
+        let skipped = kept.is_empty() || no_signal;
+        let adv_scale = match s.starpo.filter_loss_scaling {
+            FilterLossScaling::None => 1.0,
+            FilterLossScaling::Linear => kept_share,
+            FilterLossScaling::Sqrt => kept_share.sqrt(),
+        } as f32;
         let t1 = Instant::now();
-        let items: Vec<Item> = if no_signal {
+        let items: Vec<Item> = if skipped {
             Vec::new()
         } else {
-            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: normed[i] as f32 }).collect()
+            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: adv[i] as f32, adv_scale }).collect()
         };
         let models = Models {
             policy: &policy,
@@ -419,10 +465,10 @@ pub fn train(opts: Options) -> Result<Summary> {
         } else {
             update(models, &items, &s, &mut rng)?
         };
-        if !no_signal {
+        if !skipped {
             version = step;
         }
-        if let (Some(e), false) = (engine.as_mut(), no_signal) {
+        if let (Some(e), false) = (engine.as_mut(), skipped) {
             sync_engine(e, &policy, &run, step).with_context(|| format!("step {step}: pushing the weights"))?;
         }
         let update_s = t1.elapsed().as_secs_f64();
@@ -446,9 +492,10 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
-        put(&mut line, Key::Skipped, f64::from(u8::from(no_signal)));
+        put(&mut line, Key::Skipped, f64::from(u8::from(skipped)));
+        put(&mut line, Key::EmptyAfterFilter, f64::from(u8::from(kept.is_empty())));
         put(&mut line, Key::PolicyLag, lag as f64);
-        if !no_signal {
+        if !skipped {
             update_metrics(&mut line, &stats, s.optim.lr);
         }
         let rollout_tokens: usize =
@@ -504,20 +551,32 @@ pub fn train(opts: Options) -> Result<Summary> {
         summary.last = Some(line);
         summary.last_step = step;
 
-        // 7. Validate.
+        // 7. Validate. Then RAGEN-2's early stops (stop.*; off by default).
+        let mut stopped = stops.step(&s.stop, kept.is_empty(), stds.iter().sum::<f64>() / stds.len().max(1) as f64);
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
             while let Err(e) =
                 validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, (step, version), &mut summary)
             {
                 roll_back(e, &mut scripts, &mut replaced, &run, step, &bar)?;
             }
+            let success = summary.validations.last().and_then(|v| v.1[Key::ValSuccess.name()].as_f64()).unwrap_or(0.0);
+            stopped = stopped.or(stops.validation(&s.stop, success));
+        }
+        if let Some(Stopped { kind, message, mut fields }) = stopped {
+            fields.insert("kind".into(), json!(kind));
+            run.event(step, "early_stop", &message, fields)?;
+            bar.println(format!("step {step}: early stop: {message}"));
+            summary.early_stop = Some(format!("{kind}: {message}"));
         }
         // 8. Checkpoint.
-        let last = step == total;
+        let last = step == total || summary.early_stop.is_some();
         if last || (s.train.save_every > 0 && step % s.train.save_every as u64 == 0) {
             let dir = save(&run, step, &policy, &critic, &actor_opt, &critic_opt, &rng)?;
             run.event(step, "checkpoint", &format!("saved {}", dir.display()), Map::new())?;
             summary.checkpoint = Some(dir);
+        }
+        if summary.early_stop.is_some() {
+            break;
         }
     }
     if summary.interrupted
@@ -549,7 +608,7 @@ fn play_step(
     run: &RunDir,
     bar: &ProgressBar,
     rng: &mut Rng,
-) -> Result<Vec<Trajectory>> {
+) -> Result<(Vec<Trajectory>, Vec<f64>)> {
     let n_groups = s.rollout.env_groups * s.optim.rollout_reuse;
     let first_seed = s.rollout.seed_base + (step - 1) * n_groups as u64;
     loop {
@@ -561,7 +620,16 @@ fn play_step(
                 temperature: s.rollout.temperature,
                 params,
             };
-            rollout(policy, engine, scripts, &plan, &s.rollout, rng)
+            let trajs = rollout(policy, engine, scripts, &plan, &s.rollout, rng)?;
+            // ReMax's baseline: one greedy episode per group, from the same start state.
+            let greedy = match s.starpo.advantage {
+                AdvantageKind::Remax => {
+                    let plan = Plan { group_size: 1, temperature: 0.0, ..plan };
+                    rollout(policy, engine, scripts, &plan, &s.rollout, rng)?.iter().map(|t| t.score).collect()
+                }
+                _ => Vec::new(),
+            };
+            Ok((trajs, greedy))
         });
         match attempt {
             Ok(trajs) => return Ok(trajs),
@@ -572,6 +640,15 @@ fn play_step(
             }
         }
     }
+}
+
+/// One step's episodes, the weights that played them and how long they took; for ReMax, each
+/// group's greedy score.
+struct Played {
+    trajs: Vec<Trajectory>,
+    greedy: Vec<f64>,
+    seconds: f64,
+    version: u64,
 }
 
 /// Validation: fixed seeds at the validation temperature, on the training params and on the
@@ -875,7 +952,11 @@ impl Summary {
         let g = |m: &Option<Map<String, Value>>, k: Key| m.as_ref().and_then(|m| k.get(m));
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.3}"));
         let mut out = String::new();
-        let status = if self.interrupted { "interrupted (checkpoint saved)" } else { "done" };
+        let status = match (&self.early_stop, self.interrupted) {
+            (Some(_), _) => "stopped early (checkpoint saved)",
+            (None, true) => "interrupted (checkpoint saved)",
+            (None, false) => "done",
+        };
         out += &format!(
             "ragen-lab train: {status}: steps {}–{} in {:.0} s\n",
             self.first_step, self.last_step, self.seconds
@@ -899,6 +980,9 @@ impl Summary {
             for a in self.alarms.iter().take(5) {
                 out += &format!("    {a}\n");
             }
+        }
+        if let Some(why) = &self.early_stop {
+            out += &format!("  early stop      {why}\n");
         }
         if let Some(c) = &self.checkpoint {
             out += &format!("  checkpoint      {}\n", c.display());

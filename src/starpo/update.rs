@@ -2,9 +2,11 @@
 //! filter has already run in the trainer):
 //!   2. old log-probs with the actor; reference log-probs only when the KL loss is on;
 //!   3. critic values (GAE estimators only);
-//!   4. advantages: GAE over the packed sequence, bi-level GAE, or GRPO's broadcast score;
+//!   4. advantages: GAE over the packed sequence, bi-level GAE, or a critic-free estimator's
+//!      per-trajectory advantage (computed by the trainer from the groups) on its tokens;
 //!   5. for each epoch and mini-batch: the critic step, then the actor step (clipped surrogate,
-//!      entropy bonus, KL loss), gradients summed over micro-batches, grad-norm clip, AdamW.
+//!      entropy bonus, KL loss, aggregated by `starpo.loss_agg_mode`), gradients summed over
+//!      micro-batches, grad-norm clip, AdamW.
 //! Reported losses are means over all mini-batches (not the last one's, CleanRL's habit).
 use std::time::Instant;
 
@@ -12,8 +14,8 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 
-use super::advantage::{bi_level_gae, gae, grpo, whiten};
-use super::loss::{clipped_surrogate, kl, seq_mean_token_mean, value_loss};
+use super::advantage::{bi_level_gae, gae, spread, whiten};
+use super::loss::{agg_share, clipped_surrogate, kl, seq_mean_token_mean, value_loss};
 use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings};
 use crate::agent::pack::Packed;
@@ -21,10 +23,13 @@ use crate::phase::{self, Phase};
 use crate::policy::{Critic, Policy, TokenBatch};
 use crate::rng::Rng;
 
-/// One trajectory as the update sees it: its packed tokens and its (normalised) score.
+/// One trajectory as the update sees it: its packed tokens, its (normalised) score for the
+/// critic estimators or its advantage for the critic-free ones, and a factor on its final
+/// advantages (`starpo.filter_loss_scaling`; 1 otherwise).
 pub struct Item<'a> {
     pub packed: &'a Packed,
     pub score: f32,
+    pub adv_scale: f32,
 }
 
 /// Means over mini-batches.
@@ -189,6 +194,24 @@ pub(super) fn micro_batches(
     Ok(out)
 }
 
+/// Each trajectory's mean token entropy over its assistant tokens under the current policy, in
+/// one no-grad pass (the filter's entropy metrics; RAGEN-2 computes it the same way).
+pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize) -> Result<Vec<f64>> {
+    let seqs: Vec<&[u32]> = packed.iter().map(|p| p.ids.as_slice()).collect();
+    let masks: Vec<Vec<bool>> = packed.iter().map(|p| p.mask.clone()).collect();
+    let all: Vec<usize> = (0..packed.len()).collect();
+    let mut out = vec![0.0; packed.len()];
+    for (ids, tb) in micro_batches(&seqs, &masks, &all, micro, policy.pad_id)? {
+        let entropy = per_seq(&policy.token_logprobs_no_grad(&tb)?.entropy, &tb.lengths)?;
+        phase::add_tokens(tb.tokens_computed());
+        for (row, &i) in entropy.iter().zip(&ids) {
+            let on: Vec<f64> = row.iter().zip(&masks[i]).filter(|p| *p.1).map(|p| *p.0 as f64).collect();
+            out[i] = on.iter().sum::<f64>() / on.len().max(1) as f64;
+        }
+    }
+    Ok(out)
+}
+
 /// One update. `rng` shuffles nothing at RAGEN's defaults (veRL `shuffle: False`); it orders
 /// mini-batches only when there are several epochs.
 pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng) -> Result<UpdateStats> {
@@ -262,7 +285,6 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             old_v[i] = vec![0.0; p.ids.len()]; // no critic: V = 0
         }
         let (a, r) = match sp.advantage {
-            AdvantageKind::Grpo => (grpo(it.score, &p.mask), vec![0.0; p.ids.len()]),
             AdvantageKind::Gae => {
                 let (a, r) = gae(&p.score_rewards(it.score), &old_v[i], sp.gamma as f32, sp.lam as f32);
                 (a.into_iter().zip(&p.mask).map(|(x, &on)| if on { x } else { 0.0 }).collect(), r)
@@ -276,12 +298,24 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 sp.lam as f32,
                 sp.high_level_gamma as f32,
             ),
+            AdvantageKind::ReinforcePlusPlus => (spread(it.score, &p.mask, sp.gamma as f32), vec![0.0; p.ids.len()]),
+            _ => (spread(it.score, &p.mask, 1.0), vec![0.0; p.ids.len()]),
         };
         adv.push(a);
         ret.push(r);
     }
-    if sp.whiten && sp.advantage != AdvantageKind::Grpo {
+    let whitened = match sp.advantage {
+        AdvantageKind::Gae | AdvantageKind::BiLevelGae => sp.whiten,
+        AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline => true,
+        _ => false,
+    };
+    if whitened {
         whiten(&mut adv, &masks);
+    }
+    for (a, it) in adv.iter_mut().zip(items) {
+        if it.adv_scale != 1.0 {
+            a.iter_mut().for_each(|x| *x *= it.adv_scale);
+        }
     }
     stats.seq_advantage = adv
         .iter()
@@ -330,7 +364,9 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                     phase::timed(Phase::Optimizer, || opt.step(&grads, so.grad_clip))?;
                 }
             }
-            // Actor.
+            // Actor: each micro-batch adds its share of the mini-batch's aggregated loss.
+            let mb_tokens: f64 = mb.iter().map(|&i| masks[i].iter().filter(|&&m| m).count() as f64).sum();
+            let agg = |x: &Tensor, mask: &Tensor| agg_share(x, mask, sp.loss_agg_mode, mb.len(), mb_tokens);
             let mut grads = GradStore::default();
             let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
             for (ids, tb) in &passes {
@@ -365,20 +401,21 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                         };
                         let (pg, clipped, _) =
                             clipped_surrogate(&scored.logprobs, &old, &ad, sp.clip_low, sp.clip_high, sp.dual_clip)?;
-                        let pg_loss = seq_mean_token_mean(&pg, &mask)?;
-                        let entropy = seq_mean_token_mean(&scored.entropy, &mask)?;
+                        let pg_loss = agg(&pg, &mask)?;
+                        let entropy = agg(&scored.entropy, &mask)?;
                         let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
                         if let Some(rl) = &rl {
-                            let k = seq_mean_token_mean(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
-                            mb_stats[4] += w * k.to_scalar::<f32>()? as f64;
+                            let k = agg(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
+                            mb_stats[4] += k.to_scalar::<f32>()? as f64;
                             loss = (loss + (k * sp.kl_coef)?)?;
                         }
-                        mb_stats[0] += w * pg_loss.to_scalar::<f32>()? as f64;
-                        mb_stats[1] += w * entropy.to_scalar::<f32>()? as f64;
+                        mb_stats[0] += pg_loss.to_scalar::<f32>()? as f64;
+                        mb_stats[1] += entropy.to_scalar::<f32>()? as f64;
+                        // The diagnostics stay per-sequence token means, whatever the loss's mode.
                         mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
                         let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
                         mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
-                        Ok((loss * w)?)
+                        Ok(loss)
                     },
                     &mut grads,
                 )?;

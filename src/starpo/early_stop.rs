@@ -1,0 +1,171 @@
+//! RAGEN-2's three early stops (`agent_trainer.fit`), as settings: off by default here, since a
+//! run's Echo-Trap alarms only warn. Each stop is a [`Stopped`] with the numbers that tripped it;
+//! the trainer records it as an `early_stop` event, checkpoints and ends the run.
+//!
+//! 1. Empty filtered batches: the filter kept no group for `empty_steps` steps in a row.
+//! 2. Reward-variance collapse: the mean in-group reward std of the first `std_steps` steps that
+//!    trained is the baseline; the run stops when the next `std_steps` such steps in a row all
+//!    fall under `std_fraction` × baseline (RAGEN-2: 10 steps, 0.1).
+//! 3. Validation floor: `val/success` under `val_floor` for `val_count` validations in a row
+//!    (RAGEN-2: 0.01, 5).
+use serde_json::{json, Map, Value};
+
+settings_section! {
+    /// RAGEN-2's early stops; each is off at 0.
+    Stop {
+        /// Stop after this many steps in a row whose filter kept nothing (RAGEN-2: 10); 0 = off.
+        empty_steps: usize = 0,
+        /// Reward-variance collapse window n (RAGEN-2: 10): the baseline is the mean in-group std
+        /// of the first n steps that trained, and n later steps in a row under the fraction stop
+        /// the run; 0 = off.
+        std_steps: usize = 0,
+        /// The share of the baseline std under which a step counts as collapsed.
+        std_fraction: f64 = 0.1,
+        /// Stop after this many validations in a row with success under `val_floor`
+        /// (RAGEN-2: 5); 0 = off.
+        val_count: usize = 0,
+        /// The validation success floor.
+        val_floor: f64 = 0.01,
+    }
+}
+
+/// Why a run stopped early, with its numbers (the event's fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stopped {
+    /// `empty_filtered_steps`, `reward_variance_collapse` or `low_validation_success`
+    /// (RAGEN-2's `early_stop_type`).
+    pub kind: &'static str,
+    pub message: String,
+    pub fields: Map<String, Value>,
+}
+
+/// The stops' running state, fed once per step and once per validation.
+#[derive(Debug, Default)]
+pub struct EarlyStop {
+    empty_run: usize,
+    early_stds: Vec<f64>,
+    low_stds: Vec<f64>,
+    low_vals: Vec<f64>,
+}
+
+impl EarlyStop {
+    /// One step: whether its filter kept nothing, and the mean in-group reward std of all its
+    /// groups (only steps that kept something count toward the std stop, as in RAGEN-2).
+    pub fn step(&mut self, s: &Stop, kept_nothing: bool, in_group_std: f64) -> Option<Stopped> {
+        if kept_nothing {
+            self.empty_run += 1;
+            if s.empty_steps > 0 && self.empty_run >= s.empty_steps {
+                let n = self.empty_run;
+                return Some(Stopped {
+                    kind: "empty_filtered_steps",
+                    message: format!(
+                        "the filter kept no group for {n} steps in a row (stop.empty_steps = {})",
+                        s.empty_steps
+                    ),
+                    fields: fields(&[("steps", json!(n))]),
+                });
+            }
+            return None;
+        }
+        self.empty_run = 0;
+        if s.std_steps == 0 {
+            return None;
+        }
+        if self.early_stds.len() < s.std_steps {
+            self.early_stds.push(in_group_std);
+            return None;
+        }
+        let base = self.early_stds.iter().sum::<f64>() / self.early_stds.len() as f64;
+        let floor = s.std_fraction * base;
+        if in_group_std < floor {
+            self.low_stds.push(in_group_std);
+        } else {
+            self.low_stds.clear();
+        }
+        (self.low_stds.len() >= s.std_steps).then(|| Stopped {
+            kind: "reward_variance_collapse",
+            message: format!(
+                "in-group reward std under {:.4} ({} × the early mean {base:.4}) for {} steps in a row: {:?}",
+                floor,
+                s.std_fraction,
+                self.low_stds.len(),
+                self.low_stds.iter().map(|v| (v * 1e4).round() / 1e4).collect::<Vec<_>>()
+            ),
+            fields: fields(&[
+                ("baseline_std", json!(base)),
+                ("floor", json!(floor)),
+                ("recent_std", json!(self.low_stds)),
+            ]),
+        })
+    }
+
+    /// One validation's success rate.
+    pub fn validation(&mut self, s: &Stop, success: f64) -> Option<Stopped> {
+        if success < s.val_floor {
+            self.low_vals.push(success);
+        } else {
+            self.low_vals.clear();
+        }
+        (s.val_count > 0 && self.low_vals.len() >= s.val_count).then(|| Stopped {
+            kind: "low_validation_success",
+            message: format!(
+                "validation success under {} for {} validations in a row: {:?}",
+                s.val_floor,
+                self.low_vals.len(),
+                self.low_vals
+            ),
+            fields: fields(&[("floor", json!(s.val_floor)), ("recent_success", json!(self.low_vals))]),
+        })
+    }
+}
+
+fn fields(kv: &[(&str, Value)]) -> Map<String, Value> {
+    kv.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn on() -> Stop {
+        Stop { empty_steps: 2, std_steps: 2, std_fraction: 0.1, val_count: 2, val_floor: 0.01 }
+    }
+
+    #[test]
+    fn empty_steps_stop_only_when_consecutive() {
+        let (s, mut e) = (on(), EarlyStop::default());
+        assert!(e.step(&s, true, 0.0).is_none());
+        assert!(e.step(&s, false, 0.5).is_none(), "a kept step resets the count");
+        assert!(e.step(&s, true, 0.0).is_none());
+        let stop = e.step(&s, true, 0.0).unwrap();
+        assert_eq!((stop.kind, stop.fields["steps"].clone()), ("empty_filtered_steps", json!(2)));
+    }
+
+    #[test]
+    fn std_collapse_against_the_early_mean() {
+        // Baseline from the first two steps: (0.4 + 0.6)/2 = 0.5, floor 0.05. Then 0.04 (low),
+        // 0.2 (resets), 0.01, 0.049 → two low steps in a row: stop.
+        let (s, mut e) = (on(), EarlyStop::default());
+        for std in [0.4, 0.6, 0.04, 0.2, 0.01] {
+            assert!(e.step(&s, false, std).is_none(), "{std}");
+        }
+        assert!(e.step(&s, true, 0.0).is_none(), "empty steps do not count toward the std stop");
+        let stop = e.step(&s, false, 0.049).unwrap();
+        assert_eq!(stop.kind, "reward_variance_collapse");
+        assert!((stop.fields["baseline_std"].as_f64().unwrap() - 0.5).abs() < 1e-12);
+        assert_eq!(stop.fields["recent_std"], json!([0.01, 0.049]));
+    }
+
+    #[test]
+    fn validation_floor_and_off_by_default() {
+        let (s, mut e) = (on(), EarlyStop::default());
+        assert!(e.validation(&s, 0.0).is_none());
+        assert!(e.validation(&s, 0.5).is_none());
+        assert!(e.validation(&s, 0.005).is_none());
+        assert_eq!(e.validation(&s, 0.0).unwrap().kind, "low_validation_success");
+        let (off, mut e) = (Stop::default(), EarlyStop::default());
+        for _ in 0..50 {
+            assert!(e.step(&off, true, 0.0).is_none() && e.validation(&off, 0.0).is_none());
+        }
+    }
+}
