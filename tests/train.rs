@@ -310,6 +310,124 @@ fn a_step_without_reward_variance_makes_no_update() {
     assert!(weights(1) == weights(2), "a skipped step changed the weights");
 }
 
+/// RAGEN-2's options through the trainer (issue 14): every estimator, loss aggregation, filter
+/// strategy, metric, type, zero rule, loss scaling and normalisation grouping trains two steps
+/// on the tiny model, and the run records the settings it used.
+#[test]
+fn ragen2_options_train_through_the_trainer() {
+    let p = project();
+    let runs: [(&str, &[&str]); 5] = [
+        (
+            "rpp",
+            &[
+                "starpo.advantage=reinforce_plus_plus",
+                "starpo.gamma=0.99",
+                "starpo.loss_agg_mode=token-mean",
+                "starpo.filter=top_p",
+                "starpo.filter_top_p_mode=softmax",
+                "starpo.filter_metric=entropy",
+                "starpo.filter_type=smallest",
+                "starpo.reward_norm_grouping=batch",
+                "starpo.filter_loss_scaling=sqrt",
+            ],
+        ),
+        (
+            "rppb",
+            &[
+                "starpo.advantage=reinforce_plus_plus_baseline",
+                "starpo.loss_agg_mode=seq-mean-token-sum",
+                "starpo.filter=top_k",
+                "starpo.filter_ratio=0.5",
+                "starpo.filter_metric=entropy_variance",
+                "starpo.filter_include_zero=false",
+                "starpo.reward_norm_grouping=inductive",
+                "starpo.filter_loss_scaling=linear",
+            ],
+        ),
+        (
+            "rloo",
+            &["starpo.advantage=rloo", "starpo.filter=top_k_abs", "starpo.filter_k=1", "starpo.filter_metric=length"],
+        ),
+        (
+            "remax",
+            &[
+                "starpo.advantage=remax",
+                "starpo.reward_norm=mean",
+                "starpo.filter=min_p",
+                "starpo.filter_metric=reward",
+            ],
+        ),
+        (
+            "drgrpo",
+            &[
+                "starpo.advantage=grpo",
+                "starpo.norm_adv_by_std_in_grpo=false",
+                "starpo.filter=top_p",
+                "starpo.filter_metric=reward_sum",
+            ],
+        ),
+    ];
+    for (name, sets) in runs {
+        let mut c =
+            train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "2", "--run-dir", &format!("runs/{name}")]);
+        c.args(["--set", "rollout.env_groups=4"]);
+        for kv in sets {
+            c.args(["--set", kv]);
+        }
+        run_ok(c);
+        let run = p.path().join("runs").join(name);
+        let lines = jsonl(&run.join("metrics.jsonl"));
+        assert_eq!(lines.len(), 2, "{name}");
+        // Each made an update (these seeds give every run reward variance to learn from).
+        assert!(
+            lines.iter().all(|m| m["update/skipped"] == 0.0 && m["update/grad_norm"].as_f64().unwrap() > 0.0),
+            "{name}"
+        );
+        let saved: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
+        for kv in sets {
+            let (key, value) = kv.split_once('=').unwrap();
+            let (section, field) = key.split_once('.').unwrap();
+            let got = &saved["settings"][section][field];
+            let want = serde_json::from_str::<Value>(value).unwrap_or(json!(value));
+            assert_eq!(got, &want, "{name}: {key}");
+        }
+        if name == "rloo" {
+            // top_k_abs with k = 1 of 4 groups keeps one (ties included: the lower index).
+            for m in &lines {
+                assert_eq!(m["rollout/kept_ratio"], 0.25, "{m}");
+            }
+        }
+    }
+}
+
+/// RAGEN-2's recommended filter (`--preset starpo-s2`) on a reward that never varies keeps no
+/// group; with `stop.empty_steps = 2` the run stops after two such steps, with an
+/// `early_stop` event that gives its numbers and a checkpoint to resume from.
+#[test]
+fn the_empty_filter_early_stop_ends_the_run_with_its_numbers() {
+    let p = project();
+    fs::write(p.path().join("rewards/flat.rhai"), "fn shape(turn, reward) { 0.0 }\n").unwrap();
+    let bandit = fs::read_to_string(p.path().join("scripts/bandit.rhai")).unwrap();
+    fs::write(p.path().join("scripts/flat.rhai"), bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai"))
+        .unwrap();
+    let mut c = train(p.path(), &["--env", "scripts/flat.rhai", "--preset", "starpo-s2", "--steps", "6"]);
+    c.args(["--set", "stop.empty_steps=2", "--run-dir", "runs/stop"]);
+    let out = run_ok(c);
+    assert!(out.contains("stopped early"), "{out}");
+    let run = p.path().join("runs/stop");
+    let lines = jsonl(&run.join("metrics.jsonl"));
+    assert_eq!(steps_of(&run), vec![1, 2], "stopped after the second empty step");
+    for m in &lines {
+        assert_eq!((m["rollout/empty_after_filter"].clone(), m["update/skipped"].clone()), (json!(1.0), json!(1.0)));
+    }
+    let events = jsonl(&run.join("events.jsonl"));
+    assert_eq!(events.iter().filter(|e| e["kind"] == "empty_filter").count(), 2);
+    let stop = events.iter().find(|e| e["kind"] == "early_stop").expect("an early_stop event");
+    assert_eq!((stop["step"].clone(), stop["steps"].clone()), (json!(2), json!(2)), "{stop}");
+    assert_eq!(stop["stop"], "empty_filtered_steps", "{stop}");
+    assert!(run.join("checkpoints/step-000002").exists());
+}
+
 /// Live edits that pass the smoke test but fail on real turns (issue 10): a reward that is NaN
 /// on real responses, an env whose reset never ends for real seeds, a prompt that builds a
 /// string bomb on real observations. Each is rolled back to the version it replaced, reported

@@ -563,7 +563,7 @@ pub fn train(opts: Options) -> Result<Summary> {
             stopped = stopped.or(stops.validation(&s.stop, success));
         }
         if let Some(Stopped { kind, message, mut fields }) = stopped {
-            fields.insert("kind".into(), json!(kind));
+            fields.insert("stop".into(), json!(kind)); // the event's own `kind` is early_stop
             run.event(step, "early_stop", &message, fields)?;
             bar.println(format!("step {step}: early stop: {message}"));
             summary.early_stop = Some(format!("{kind}: {message}"));
