@@ -23,8 +23,9 @@ pub struct Args {
     /// Optional with --resume (the run remembers it).
     #[arg(long, value_name = "SCRIPT")]
     pub env: Option<PathBuf>,
-    /// Settings preset: starpo-s (filtering, clip-higher, no KL; the default) or starpo (vanilla
-    /// PPO + KL). Not with --resume (the run keeps its settings).
+    /// Settings preset: starpo-s (filtering, clip-higher, no KL; the default), starpo-s2 (the
+    /// same with RAGEN-2's top-p filter) or starpo (vanilla PPO + KL). Not with --resume (the
+    /// run keeps its settings).
     #[arg(long, value_enum)]
     pub preset: Option<Preset>,
     /// Advantage estimator family: ppo (GAE with a critic) or grpo (group-normalised, no critic).
