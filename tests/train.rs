@@ -362,6 +362,8 @@ fn ragen2_options_train_through_the_trainer() {
             &[
                 "starpo.advantage=grpo",
                 "starpo.norm_adv_by_std_in_grpo=false",
+                "starpo.soft_advantage_reweight=true",
+                "starpo.grpo_length_weight=true",
                 "starpo.filter=top_p",
                 "starpo.filter_metric=reward_sum",
             ],

@@ -217,6 +217,12 @@ settings_section! {
         whiten: bool = true,
         /// GRPO divides by the in-group std (false: R − μ only, Dr. GRPO).
         norm_adv_by_std_in_grpo: bool = true,
+        /// GRPO: weight each group's advantages by its std over the largest kept group's
+        /// (RAGEN-2 soft_advantage_reweight), so low-variance groups count less.
+        soft_advantage_reweight: bool = false,
+        /// GRPO: divide each trajectory's advantage by its trained-token count relative to the
+        /// batch mean (RAGEN grpo_advantage_length_weight).
+        grpo_length_weight: bool = false,
         /// Token losses to one number: token-mean, seq-mean-token-mean, seq-mean-token-sum.
         loss_agg_mode: LossAgg = LossAgg::SeqMeanTokenMean,
     }

@@ -29,7 +29,7 @@ use super::filter::{group_metric, group_stds, select};
 use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
 use super::rundir::{now, peak_rss_mb, RunDir};
-use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings};
+use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings, Starpo};
 use super::update::{mean_entropies, update, Item, Models, UpdateStats};
 use crate::agent::engine::{HttpEngine, WeightSync};
 use crate::agent::pack::distinct_positions;
@@ -430,16 +430,14 @@ pub fn train(opts: Options) -> Result<Summary> {
             run.event(step, "no_signal", msg, Map::new())?;
         }
         let skipped = kept.is_empty() || no_signal;
-        let adv_scale = match s.starpo.filter_loss_scaling {
-            FilterLossScaling::None => 1.0,
-            FilterLossScaling::Linear => kept_share,
-            FilterLossScaling::Sqrt => kept_share.sqrt(),
-        } as f32;
+        let scales = adv_scales(&s.starpo, kept_share, &kept_groups, &members, &normed, &trajs);
         let t1 = Instant::now();
         let items: Vec<Item> = if skipped {
             Vec::new()
         } else {
-            kept.iter().map(|&i| Item { packed: &trajs[i].packed, score: adv[i] as f32, adv_scale }).collect()
+            kept.iter()
+                .map(|&i| Item { packed: &trajs[i].packed, score: adv[i] as f32, adv_scale: scales[i] as f32 })
+                .collect()
         };
         let models = Models {
             policy: &policy,
@@ -640,6 +638,43 @@ fn play_step(
             }
         }
     }
+}
+
+/// Each trajectory's factor on its advantages: the kept share of groups
+/// (`filter_loss_scaling`), and for GRPO its group's std over the largest kept group's
+/// (`soft_advantage_reweight`, a lone member's std taken as 1 as GRPO does) and its trained-token
+/// count over the kept mean (`grpo_length_weight`, dividing).
+fn adv_scales(
+    sp: &Starpo,
+    kept_share: f64,
+    kept_groups: &[usize],
+    members: &[Vec<usize>],
+    normed: &[f64],
+    trajs: &[Trajectory],
+) -> Vec<f64> {
+    let base = match sp.filter_loss_scaling {
+        FilterLossScaling::None => 1.0,
+        FilterLossScaling::Linear => kept_share,
+        FilterLossScaling::Sqrt => kept_share.sqrt(),
+    };
+    let mut out = vec![base; trajs.len()];
+    if sp.advantage != AdvantageKind::Grpo {
+        return out;
+    }
+    if sp.soft_advantage_reweight {
+        let std = |g: usize| if members[g].len() > 1 { group_stds(normed, &members[g..=g])[0] } else { 1.0 };
+        let max = kept_groups.iter().map(|&g| std(g)).fold(0.0, f64::max);
+        for &g in kept_groups {
+            members[g].iter().for_each(|&i| out[i] *= std(g) / (max + 1e-6));
+        }
+    }
+    if sp.grpo_length_weight {
+        let len = |i: usize| trajs[i].packed.mask.iter().filter(|&&m| m).count() as f64;
+        let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].iter().copied()).collect();
+        let mean = kept.iter().map(|&i| len(i)).sum::<f64>() / kept.len().max(1) as f64;
+        kept.iter().for_each(|&i| out[i] /= (len(i) + 1e-6) / mean.max(1e-6));
+    }
+    out
 }
 
 /// One step's episodes, the weights that played them and how long they took; for ReMax, each
