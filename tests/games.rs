@@ -404,7 +404,7 @@ fn sudoku_is_deterministic_per_seed() {
 
 #[test]
 fn sudoku_env_and_experiment_pass_check() {
-    check_ok("envs/sudoku.rhai", 10);
+    check_ok("envs/sudoku.rhai", 30);
     check_ok("scripts/sudoku.rhai", 10);
 }
 
