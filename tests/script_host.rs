@@ -341,6 +341,71 @@ fn generated_sokoban_levels_are_solvable_and_not_solved_at_the_start() {
     }
 }
 
+#[test]
+fn sokoban_grid_coord_writes_ragen2s_coordinate_lines_above_the_grid() {
+    let e = env("sokoban");
+    let p = params(&e, &[("level", "######,#PX_O#,#_√__#,######"), ("observation_format", "grid_coord")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    let walls = "Walls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 0), (1, 5), (2, 0), (2, 5), \
+                 (3, 0), (3, 1), (3, 2), (3, 3), (3, 4), (3, 5)";
+    // RAGEN-2's `_render_text('grid_coord')`: "Coordinates: \n" + coordinates + "\nGrid Map: \n" + grid.
+    assert_eq!(
+        ep.render().unwrap(),
+        format!(
+            "Coordinates: \nBoard size: 4 rows x 6 cols (zero-indexed).\n{walls}\nTargets: (1, 4), (2, 2)\n\
+             Boxes: (1, 2)\nBoxes on target: (2, 2)\nPlayer: (1, 1)\nGrid Map: \n######\n#PX_O#\n#_√__#\n######"
+        )
+    );
+    ep.step("Right").unwrap();
+    let o = ep.step("Right").unwrap();
+    assert!(o.success);
+    // No box is off a target now: RAGEN-2 leaves out an empty kind's line.
+    assert_eq!(
+        ep.render().unwrap(),
+        format!(
+            "Coordinates: \nBoard size: 4 rows x 6 cols (zero-indexed).\n{walls}\nTargets: (1, 4), (2, 2)\n\
+             Boxes on target: (1, 4), (2, 2)\nPlayer: (1, 3)\nGrid Map: \n######\n#__P√#\n#_√__#\n######"
+        )
+    );
+    // "coord" alone; the player standing on a target.
+    let p = params(&e, &[("level", "######,#SXO_#,######"), ("observation_format", "coord")]);
+    assert_eq!(
+        e.reset(0, 0, &p).unwrap().render().unwrap(),
+        "Board size: 3 rows x 6 cols (zero-indexed).\nWalls: (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), \
+         (1, 0), (1, 5), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4), (2, 5)\nTargets: (1, 1), (1, 3)\nBoxes: (1, 2)\n\
+         Player on target: (1, 1)"
+    );
+}
+
+#[test]
+fn sokoban_renders_the_grid_alone_by_default_and_coordinates_do_not_change_the_level() {
+    let e = env("sokoban");
+    let default = params(&e, &[]);
+    assert_eq!(default["observation_format"], "grid");
+    let coord = params(&e, &[("observation_format", "grid_coord")]);
+    for seed in 0..10 {
+        let grid = e.reset(seed, 0, &default).unwrap().render().unwrap();
+        assert!(grid.lines().all(|l| l.chars().all(|c| "#_OX√PS".contains(c))), "{grid}");
+        let both = e.reset(seed, 0, &coord).unwrap().render().unwrap();
+        assert!(
+            both.starts_with("Coordinates: \nBoard size: 6 rows x 6 cols (zero-indexed).\nWalls: (0, 0)"),
+            "{both}"
+        );
+        assert!(both.ends_with(&format!("\nGrid Map: \n{grid}")), "{both}");
+    }
+    // The instruction: RAGEN's by default, CoordSokoban's with the coordinates.
+    let info = e.info(&default).unwrap();
+    assert!(info.instruction.starts_with("You are solving the Sokoban puzzle. You are the player and you need to push all boxes to targets. When you are right next to a box"));
+    let info = e.info(&coord).unwrap();
+    assert!(info.instruction.contains(
+        "You are provided with a symbol grid and the zero-indexed coordinates of the player, each box, and each target. \
+         Coordinates range from the top-left corner (0, 0) to the bottom-right corner (5, 5). When you are exactly next to a box"
+    ), "{}", info.instruction);
+    assert_eq!(info.legend, e.info(&default).unwrap().legend);
+    let bad = e.params(&[("observation_format".into(), "pixels".into())]).unwrap();
+    assert!(e.reset(0, 0, &bad).unwrap_err().to_string().contains("observation_format must be"));
+}
+
 // ---- FrozenLake -------------------------------------------------------------------------------
 
 #[test]
@@ -412,6 +477,67 @@ fn frozenlake_maps_have_one_start_one_goal_and_a_path() {
     assert!((0.1..0.25).contains(&share), "hole share {share}");
 }
 
+#[test]
+fn frozenlake_grid_coord_writes_ragen2s_coordinate_lines_above_the_grid() {
+    let e = env("frozenlake");
+    let p = params(&e, &[("map", "SFFF,FHFH,FFFH,HFFG"), ("slippery", "false"), ("observation_format", "grid_coord")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    // RAGEN-2's `_render_text('grid_coord')`: start, goal, player, holes, then the grid.
+    assert_eq!(
+        ep.render().unwrap(),
+        "Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (0, 0)\nGoal: (3, 3)\nPlayer: (0, 0)\n\
+         Holes: (1, 1), (1, 3), (2, 3), (3, 0)\nGrid Map: \nP___\n_O_O\n___O\nO__G"
+    );
+    ep.step("Down").unwrap();
+    assert!(ep.render().unwrap().contains("\nStart: (0, 0)\nGoal: (3, 3)\nPlayer: (1, 0)\nHoles: "));
+    assert!(ep.step("Right").unwrap().done);
+    assert_eq!(
+        ep.render().unwrap(),
+        "Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: (0, 0)\nGoal: (3, 3)\nPlayer in hole: (1, 1)\n\
+         Holes: (1, 1), (1, 3), (2, 3), (3, 0)\nGrid Map: \n____\n_X_O\n___O\nO__G"
+    );
+    // "coord" alone, on the goal, with no holes (their line left out, as in RAGEN-2).
+    let p = params(&e, &[("map", "FFFF,FFFF,FFFF,FFSG"), ("slippery", "false"), ("observation_format", "coord")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    assert!(ep.step("Right").unwrap().success);
+    assert_eq!(
+        ep.render().unwrap(),
+        "Board size: 4 rows x 4 cols (zero-indexed).\nStart: (3, 2)\nGoal: (3, 3)\nPlayer on goal: (3, 3)"
+    );
+}
+
+#[test]
+fn frozenlake_renders_the_grid_alone_by_default_and_coordinates_do_not_change_the_map() {
+    let e = env("frozenlake");
+    let default = params(&e, &[]);
+    assert_eq!(default["observation_format"], "grid");
+    let coord = params(&e, &[("observation_format", "grid_coord")]);
+    for seed in 0..20 {
+        let grid = e.reset(seed, 0, &default).unwrap().render().unwrap();
+        assert!(grid.lines().count() == 4 && grid.chars().all(|c| "\nP_OG".contains(c)), "{grid}");
+        let both = e.reset(seed, 0, &coord).unwrap().render().unwrap();
+        assert!(both.starts_with("Coordinates: \nBoard size: 4 rows x 4 cols (zero-indexed).\nStart: "), "{both}");
+        assert!(both.ends_with(&format!("\nGrid Map: \n{grid}")), "{both}");
+    }
+    let p = params(&e, &[("map", "SFFF,FHFH,FFFH,HFFG"), ("slippery", "false")]);
+    assert_eq!(e.reset(0, 0, &p).unwrap().render().unwrap(), "P___\n_O_O\n___O\nO__G");
+    assert!(e
+        .info(&default)
+        .unwrap()
+        .instruction
+        .starts_with("You are solving the FrozenLake puzzle. Forbid the hole"));
+    let info = e.info(&coord).unwrap();
+    assert_eq!(
+        info.instruction,
+        "You are solving the FrozenLake puzzle. The observation includes both a symbol grid and zero-indexed coordinates \
+         for the start, goal, player, and any holes. Coordinates range from the top-left corner (0, 0) to the bottom-right \
+         corner (3, 3). Beware that the ice is slippery, so the agent might slide and end up in an unintended tile. \
+         Respond with a sequence of actions such as <answer>Left || Up || Up</answer>."
+    );
+    let bad = e.params(&[("observation_format".into(), "Grid".into())]).unwrap();
+    assert!(e.info(&bad).unwrap_err().to_string().contains("observation_format must be"));
+}
+
 // ---- Bandit, math, invoice ----------------------------------------------------------------------
 
 #[test]
@@ -436,6 +562,128 @@ fn bandit_pays_like_ragen_and_randomises_the_name_order() {
     let held_out = params(&e, &[("hi_arm", "Librarian"), ("lo_arm", "Trader")]);
     let obs = e.reset(0, 0, &held_out).unwrap().render().unwrap();
     assert!(obs.contains("Librarian") && obs.contains("Trader") && !obs.contains("Dragon"));
+}
+
+/// RAGEN-2's ARM_NAMES (ragen/env/bandit/config.py) as (low arm, high arm), written out here
+/// independently of the env script.
+const RAGEN2_TRAIN_PAIRS: [(&str, &str); 12] = [
+    ("Teacher", "Trader"),
+    ("Nurse", "StartupFounder"),
+    ("Librarian", "Investor"),
+    ("Accountant", "StockBroker"),
+    ("Engineer", "RealEstateAgent"),
+    ("Pharmacist", "Musician"),
+    ("Clerk", "Freelancer"),
+    ("Technician", "Youtuber"),
+    ("Planner", "Artist"),
+    ("Postman", "Pilot"),
+    ("Banker", "VentureCapitalist"),
+    ("Gardener", "Cryptominer"),
+];
+const RAGEN2_TEST_PAIRS: [(&str, &str); 8] = [
+    ("Receptionist", "Explorer"),
+    ("Archivist", "Filmmaker"),
+    ("Bookkeeper", "Consultant"),
+    ("SocialWorker", "Photographer"),
+    ("Mechanic", "GameDesigner"),
+    ("Secretary", "Entrepreneur"),
+    ("Cashier", "DataScientist"),
+    ("CivilServant", "StartupAccelerator"),
+];
+
+/// The two names a bandit prompt offers, in its order.
+fn bandit_names(obs: &str) -> (String, String) {
+    let line = obs.lines().find(|l| l.starts_with("1. There are 2 arms, named ")).unwrap();
+    let (a, b) = line.trim_start_matches("1. There are 2 arms, named ").split_once(" and ").unwrap();
+    (a.to_string(), b.to_string())
+}
+
+#[test]
+fn bandit_pairs_come_from_ragen2s_lists_one_per_seed_shared_by_the_group() {
+    let e = env("bandit");
+    for (split, list) in [("train", &RAGEN2_TRAIN_PAIRS[..]), ("test", &RAGEN2_TEST_PAIRS[..])] {
+        let p = params(&e, &[("pairs", split)]);
+        // The action list is every name of the list, sorted.
+        let mut all: Vec<String> = list.iter().flat_map(|(lo, hi)| [lo.to_string(), hi.to_string()]).collect();
+        all.sort();
+        assert_eq!(e.info(&p).unwrap().actions, all);
+        let (mut seen, mut hi_first, mut hi_sum, n) = (HashSet::new(), 0, 0.0, 400u64);
+        for seed in 0..n {
+            let ep = e.reset(seed, 0, &p).unwrap();
+            let obs = ep.render().unwrap();
+            let (a, b) = bandit_names(&obs);
+            let &(lo, hi) = list
+                .iter()
+                .find(|(lo, hi)| (a == *lo && b == *hi) || (a == *hi && b == *lo))
+                .unwrap_or_else(|| panic!("{split} seed {seed}: {a} / {b} is not a RAGEN-2 {split} pair"));
+            seen.insert(lo);
+            hi_first += (a == hi) as usize;
+            let mut sorted = vec![lo.to_string(), hi.to_string()];
+            sorted.sort();
+            assert_eq!(ep.valid_actions().unwrap(), sorted);
+            // Every episode of the group sees the same pair in the same order.
+            for stream in 1..4 {
+                assert_eq!(e.reset(seed, stream, &p).unwrap().render().unwrap(), obs);
+            }
+            // The second name of RAGEN-2's pair is the high arm: 1.0 a quarter of the time.
+            let o = e.reset(seed, 0, &p).unwrap().step(&hi.to_lowercase()).unwrap();
+            assert!(o.done && o.success && (o.reward == 0.0 || o.reward == 1.0), "{o:?}");
+            assert_eq!(e.reset(seed, 0, &p).unwrap().render().unwrap(), obs);
+            hi_sum += o.reward;
+            let mut ep = e.reset(seed, 0, &p).unwrap();
+            let o = ep.step(lo).unwrap();
+            assert_eq!((o.reward, o.success, o.done), (0.1, false, true));
+            assert_eq!(ep.render().unwrap(), format!("{lo}: 0.1 points"));
+            // A name from another pair of the list is not an arm of this episode.
+            let other = list.iter().find(|(l, _)| *l != lo).unwrap().0;
+            assert!(!e.reset(seed, 0, &p).unwrap().step(other).unwrap().valid);
+        }
+        assert_eq!(seen.len(), list.len(), "{split}: every pair is drawn over {n} seeds");
+        assert!((120..280).contains(&hi_first), "{split}: high arm named first {hi_first}/{n}");
+        // p = 0.25 over 400 pulls, sd ~0.022.
+        assert!((hi_sum / n as f64 - 0.25).abs() < 0.1, "{split}: {hi_sum}/{n}");
+    }
+    // One seed's group: a shared pair, but each member's own Bernoulli draw.
+    let p = params(&e, &[("pairs", "train")]);
+    let (a, b) = bandit_names(&e.reset(3, 0, &p).unwrap().render().unwrap());
+    let hi =
+        RAGEN2_TRAIN_PAIRS.iter().find_map(|&(lo, hi)| ((a == lo && b == hi) || (a == hi && b == lo)).then_some(hi));
+    let hi = hi.unwrap();
+    let wins: HashSet<u64> = (0..64).map(|s| e.reset(3, s, &p).unwrap().step(hi).unwrap().reward as u64).collect();
+    assert_eq!(wins.len(), 2, "64 members of one group all drew alike");
+    // No train name is held out, and a typo is refused.
+    let train: HashSet<&str> = RAGEN2_TRAIN_PAIRS.iter().flat_map(|&(lo, hi)| [lo, hi]).collect();
+    assert!(RAGEN2_TEST_PAIRS.iter().all(|&(lo, hi)| !train.contains(lo) && !train.contains(hi)));
+    let bad = e.params(&[("pairs".into(), "val".into())]).unwrap();
+    assert!(e.info(&bad).unwrap_err().to_string().contains("pairs must be"));
+}
+
+#[test]
+fn bandit_without_pairs_keeps_hi_arm_and_lo_arm() {
+    let e = env("bandit");
+    let p = params(&e, &[]);
+    assert_eq!(p["pairs"], "");
+    assert_eq!(e.info(&p).unwrap().actions, ["Dragon", "Phoenix"]);
+    for seed in 0..20 {
+        let ep = e.reset(seed, 0, &p).unwrap();
+        assert_eq!(ep.valid_actions().unwrap(), ["Dragon", "Phoenix"]);
+        let (a, b) = bandit_names(&ep.render().unwrap());
+        assert!((a == "Dragon" && b == "Phoenix") || (a == "Phoenix" && b == "Dragon"), "{a} / {b}");
+    }
+    // Seed 0's prompt, byte for byte as before the pairs existed.
+    let obs = e.reset(0, 0, &p).unwrap().render().unwrap();
+    let (a, b) = bandit_names(&obs);
+    assert_eq!(
+        obs,
+        format!(
+            "You are playing a bandit game. Goal: Maximize your total reward by choosing which arm to pull.\n\
+             Game Rules:\n1. There are 2 arms, named {a} and {b}\n\
+             2. Each arm has its own reward distribution, related to their names.\n\
+             3. Analyze the symbolic meaning of each arm's name to guess how their reward distribution might behave.\n\
+             4. Based on the symbolic meaning of their names, which arm do you think is more likely to give higher rewards \
+             on average? Choose between {a} and {b}, and output like <answer> {a} </answer> or <answer> {b} </answer>.\n"
+        )
+    );
 }
 
 #[test]
