@@ -68,14 +68,16 @@ pub fn clipped_surrogate(
 }
 
 /// KL estimators of KL(π ‖ π_ref) per token (veRL `kl_penalty`):
-/// k1 = logp − ref_logp; k3 ("low_var_kl") = r − log r − 1 with log r = ref_logp − logp,
-/// clamped to [−10, 10].
+/// k1 = logp − ref_logp; abs = |k1|; mse (k2) = ½·k1²; k3 ("low_var_kl") = r − log r − 1 with
+/// log r = ref_logp − logp, clamped to [−10, 10].
 ///
 /// # Shapes
 /// `logp`, `ref_logp`: [B, T] → [B, T].
 pub fn kl(logp: &Tensor, ref_logp: &Tensor, kind: KlKind) -> Result<Tensor> {
     match kind {
         KlKind::K1 => logp - ref_logp,
+        KlKind::Abs => (logp - ref_logp)?.abs(),
+        KlKind::Mse => (logp - ref_logp)?.sqr()? * 0.5,
         KlKind::K3 => {
             let log_r = (ref_logp - logp)?;
             ((log_r.exp()? - &log_r)? - 1.0)?.clamp(-10.0, 10.0)
@@ -203,6 +205,10 @@ mod tests {
         close(k1[1], 0.0);
         close(k3[0], 0.106_530_66);
         close(k3[1], 0.0);
+        let abs = v2(&kl(&reff, &logp, KlKind::Abs).unwrap())[0].clone();
+        let mse = v2(&kl(&reff, &logp, KlKind::Mse).unwrap())[0].clone();
+        close(abs[0], 0.5); // |−1.5 − (−1)|
+        close(mse[0], 0.125); // ½ · 0.25
         // k3 clamps at 10: log r = 20 → e^20 huge
         close(v2(&kl(&t(&[&[-21.0]]), &t(&[&[-1.0]]), KlKind::K3).unwrap())[0][0], 10.0);
     }

@@ -157,6 +157,10 @@ pub enum AdvantageKind {
 pub enum KlKind {
     /// k1: log π − log π_ref.
     K1,
+    /// |k1| (veRL `abs`).
+    Abs,
+    /// ½·k1² (veRL `mse`, k2).
+    Mse,
     /// k3 "low-var-kl": r − log r − 1 with r = π_ref / π, clamped to [−10, 10].
     K3,
 }
@@ -208,7 +212,7 @@ settings_section! {
         entropy_coef: f64 = 0.001,
         /// KL-loss coefficient against the frozen reference (0 = no reference model).
         kl_coef: f64 = 0.0,
-        /// KL estimator: k1 or k3 (low-var-kl).
+        /// KL estimator: k1, abs, mse or k3 (low-var-kl).
         kl_type: KlKind = KlKind::K1,
         /// Value-loss clip range around the rollout-time values.
         value_clip: f64 = 0.5,
