@@ -239,6 +239,7 @@ fn sudoku_places_numbers_and_pays_one_for_the_solved_board() {
         "hello",
         "rows 2 col 3 value 1",
         "row 3 col 3: 4",
+        "place 1 at row 2 column 3",
         "--2,3,1",
     ] {
         assert_eq!(step(&mut ep, bad), (0.0, false, false, false, false), "{bad}");
@@ -246,14 +247,15 @@ fn sudoku_places_numbers_and_pays_one_for_the_solved_board() {
     // Valid but against the rules (4 is in row 2): not effective, the board unchanged.
     assert_eq!(step(&mut ep, "2,3,4"), (0.0, false, false, true, false));
     assert_eq!(ep.render().unwrap(), "| 1 2 3 4 | 3 4 . 2 | 2 1 . 3 | 4 . 2 1 ");
-    // The other formats: `r c v`, and words with the value after them (RAGEN reads `3:` as no
-    // number, so `row 3 col 3: 4` above is invalid).
+    // The other formats: `r c v`, and words with the value after them. (RAGEN wants the words
+    // `row` and `col` on their own and a bare number after each, so `column` and `3:` above are
+    // invalid.)
     assert_eq!(step(&mut ep, "2 3 1"), (0.0, false, false, true, true));
     assert_eq!(step(&mut ep, "Row 3, Col 3, value 4"), (0.0, false, false, true, true));
     assert_eq!(ep.render().unwrap(), "| 1 2 3 4 | 3 4 1 2 | 2 1 4 3 | 4 . 2 1 ");
     assert_eq!(step(&mut ep, "4,2,3"), (1.0, true, true, true, true));
     assert_eq!(ep.render().unwrap(), "| 1 2 3 4 | 3 4 1 2 | 2 1 4 3 | 4 3 2 1 ");
-    assert_eq!(state(&ep)["steps"], 15);
+    assert_eq!(state(&ep)["steps"], 16, "every action is a step, the invalid ones too");
 }
 
 #[test]
@@ -379,6 +381,7 @@ fn sudoku_solver_fills_the_board_from_several_seeds() {
                 assert!(last.3 && last.4, "{size} seed {seed}: {a} in {plan:?}");
             }
             assert_eq!(last, (1.0, true, true, true, true), "{size} seed {seed}");
+            assert_eq!(ep.solve().unwrap().unwrap(), Vec::<String>::new(), "nothing left to place");
         }
     }
     // From a board with a wrong placement: it is overwritten with the right value.
