@@ -207,8 +207,9 @@ mod tests {
         close(k3[1], 0.0);
         let abs = v2(&kl(&reff, &logp, KlKind::Abs).unwrap())[0].clone();
         let mse = v2(&kl(&reff, &logp, KlKind::Mse).unwrap())[0].clone();
-        close(abs[0], 0.5); // |−1.5 − (−1)|
-        close(mse[0], 0.125); // ½ · 0.25
+        // |−1.5 − (−1)| = 0.5 and ½ · 0.5² = 0.125.
+        close(abs[0], 0.5);
+        close(mse[0], 0.125);
         // k3 clamps at 10: log r = 20 → e^20 huge
         close(v2(&kl(&t(&[&[-21.0]]), &t(&[&[-1.0]]), KlKind::K3).unwrap())[0][0], 10.0);
     }
