@@ -62,6 +62,11 @@ fn check_ok(path: &str, episodes: u64) {
 /// `ragen-lab train` for two steps on the tiny random-weight model, in a temp project holding
 /// the experiment and the scripts it names; returns the run's metric lines.
 fn train_two_steps(game: &str) -> Vec<Value> {
+    train_two_steps_with(game, &[])
+}
+
+/// The same with extra flags (`--param k=v`, `--set k=v`).
+fn train_two_steps_with(game: &str, extra: &[&str]) -> Vec<Value> {
     let dir = tempfile::tempdir().unwrap();
     let env_script = format!("envs/{game}.rhai");
     let experiment = format!("scripts/{game}.rhai");
@@ -78,6 +83,7 @@ fn train_two_steps(game: &str) -> Vec<Value> {
         .args(["--set", "rollout.env_groups=2", "--set", "rollout.group_size=2"])
         .args(["--set", "rollout.response_length=12", "--set", "train.val_every=0"])
         .args(["--set", "optim.lr=1e-3"])
+        .args(extra)
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -775,4 +781,18 @@ fn train_rubiks_cube_two_steps_on_the_tiny_model() {
     let m = train_two_steps("rubiks_cube");
     assert_eq!(m.len(), 2, "{m:?}");
     assert!(m[1]["rollout/reward_mean"].is_number(), "{}", m[1]);
+}
+
+/// RAGEN-2's env variants that are params of the shipped envs (CoordSokoban, CoordFrozenLake,
+/// Bandit's name pairs) train too, training and validating on their variant.
+#[test]
+fn ragen2_env_variants_train_two_steps_on_the_tiny_model() {
+    for (game, param) in [
+        ("sokoban", "observation_format=grid_coord"),
+        ("frozenlake", "observation_format=grid_coord"),
+        ("bandit", "pairs=train"),
+    ] {
+        let m = train_two_steps_with(game, &["--param", param, "--val-param", param]);
+        assert_eq!(m.len(), 2, "{game} {param}: {m:?}");
+    }
 }
