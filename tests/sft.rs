@@ -198,13 +198,16 @@ fn the_sft_command_writes_a_model_that_train_starts_from() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("nll after") && stdout.contains("LoRA r4 (merged)"), "{stdout}");
+    assert!(stdout.contains("held-out nll") && stdout.contains("LoRA r4 (merged)"), "{stdout}");
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.path().join("warm/sft.json")).unwrap()).unwrap();
     assert_eq!(summary["demos"]["episodes"], 6);
     assert_eq!(summary["epoch_loss"].as_array().unwrap().len(), 2);
     assert_eq!(summary["step_loss"].as_array().unwrap().len(), 4);
-    assert!(summary["nll_after"].as_f64().unwrap() < summary["nll_before"].as_f64().unwrap(), "{summary}");
+    // The held-out demonstrations (the 32 seeds after the 6) are scored before and after.
+    assert_eq!(summary["heldout_episodes"], 32);
+    let (before, after) = (summary["heldout_nll_before"].as_f64().unwrap(), summary["heldout_nll_after"].as_f64().unwrap());
+    assert!(after < before, "{summary}");
     assert_eq!(std::fs::read_to_string(dir.path().join("warm/demos.jsonl")).unwrap().lines().count(), 6);
     // The adapters were merged: a plain HF folder.
     assert!(model.join("config.json").exists() && !model.join("adapter_config.json").exists());

@@ -42,6 +42,11 @@ pub struct Args {
     /// First demonstration seed (default: rollout.seed_base, the first training seed).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Held-out demonstration episodes (the seeds after the training ones) whose NLL per answer
+    /// token is measured before and after training: falling there means the model learnt to read
+    /// states it never saw. 0 skips it.
+    #[arg(long, default_value_t = 32)]
+    pub heldout: usize,
     /// The model to start from: an HF folder, a .gguf file, a preset (tiny-llama), a known short
     /// name (smollm2-135m) or a hub id. Default: the experiment script's `model`, else smollm2-135m.
     #[arg(long)]
@@ -70,6 +75,7 @@ pub fn run(args: Args) -> Result<()> {
         epochs: args.epochs,
         lr: args.lr,
         seed: args.seed,
+        heldout: args.heldout,
         out,
         progress: !args.quiet,
     })?;

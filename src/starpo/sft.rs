@@ -5,11 +5,12 @@
 //!          LoRA adapters when `lora.rank > 0`, AdamW
 //!   1. demonstrations: one solver-played episode per seed (agent::demo), in the experiment's
 //!      own prompt and answer format, packed like rollout trajectories
-//!   2. the demonstrations' mean NLL before training
+//!   2. the mean NLL of held-out demonstrations (seeds after the training ones) before
+//!      training: whether the model learns to read states it has not seen, not to recite
 //!   3. epochs × shuffled mini-batches of `optim.mini_batch_size` episodes: the mean negative
 //!      log-likelihood of the answer (assistant) tokens, gradients summed over micro-batches
 //!      (`optim.micro_batch_size`, `optim.checkpoint_layers`), grad-norm clip, AdamW step
-//!   4. the NLL after; adapters merged into the weights; an HF folder that `train --model` loads,
+//!   4. the held-out NLL after; adapters merged into the weights; an HF folder that `train --model` loads,
 //!      with sft.json (loss curve, settings, counts) and demos.jsonl beside it
 //!
 //! The loss is a token mean over the whole mini-batch (every answer token weighs the same, the
@@ -55,6 +56,9 @@ pub struct Options {
     pub lr: Option<f64>,
     /// First seed; `None`: `rollout.seed_base`.
     pub seed: Option<u64>,
+    /// Held-out demonstration episodes (the seeds after the training ones) whose NLL is
+    /// measured before and after; 0 skips the measurement.
+    pub heldout: usize,
     /// The model folder to write (must not exist yet).
     pub out: PathBuf,
     pub progress: bool,
@@ -71,9 +75,12 @@ pub struct Summary {
     pub first_seed: u64,
     pub lora_rank: usize,
     pub demos: DemoStats,
-    /// Mean NLL per answer token over all demonstrations, before and after training.
-    pub nll_before: f64,
-    pub nll_after: f64,
+    /// Held-out demonstration episodes (seeds after the training ones; unsolvable ones skipped).
+    pub heldout_episodes: usize,
+    /// Mean NLL per answer token of the held-out demonstrations, before and after training
+    /// (`None` with `--heldout 0`). The training set's own loss is `epoch_loss`.
+    pub heldout_nll_before: Option<f64>,
+    pub heldout_nll_after: Option<f64>,
     /// Each epoch's training loss (token mean over its mini-batches, taken as they trained).
     pub epoch_loss: Vec<f64>,
     /// Each optimiser step's mini-batch loss and grad norm (before clipping).
@@ -136,10 +143,20 @@ pub fn sft(opts: Options) -> Result<Summary> {
         bail!("the solver found no solution for any of the {} seeds from {first_seed}", seeds.len());
     }
     let seqs: Vec<&Packed> = demos.iter().map(|d| &d.packed).collect();
+    let next_seed = first_seed + opts.episodes as u64;
+    let heldout_seeds: Vec<u64> = (next_seed..next_seed + opts.heldout as u64).collect();
+    let (heldout, _) = demonstrations(&policy, &scripts, &params, &heldout_seeds, &s.rollout, |_| {})?;
+    let heldout: Vec<&Packed> = heldout.iter().map(|d| &d.packed).collect();
     phases.demonstrations = lap();
 
-    // 2. The NLL before training.
-    let nll_before = nll(&policy, &seqs, s.optim.micro_batch_size)?;
+    // 2. The held-out NLL before training.
+    let heldout_nll = |policy: &Policy| -> Result<Option<f64>> {
+        if heldout.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(nll(policy, &heldout, s.optim.micro_batch_size)?))
+    };
+    let heldout_nll_before = heldout_nll(&policy)?;
     phases.nll = lap();
 
     // 3. Epochs × shuffled mini-batches.
@@ -162,8 +179,8 @@ pub fn sft(opts: Options) -> Result<Summary> {
     bar.finish_and_clear();
     phases.training = lap();
 
-    // 4. The NLL after; merge, save, summarise.
-    let nll_after = nll(&policy, &seqs, s.optim.micro_batch_size)?;
+    // 4. The held-out NLL after; merge, save, summarise.
+    let heldout_nll_after = heldout_nll(&policy)?;
     phases.nll += lap();
     if lora.is_some() {
         lora::merge(&mut policy.model)?;
@@ -179,8 +196,9 @@ pub fn sft(opts: Options) -> Result<Summary> {
         first_seed,
         lora_rank: s.lora.rank,
         demos: stats,
-        nll_before,
-        nll_after,
+        heldout_episodes: heldout.len(),
+        heldout_nll_before,
+        heldout_nll_after,
         epoch_loss,
         step_loss,
         step_grad_norm,
@@ -335,11 +353,15 @@ impl Summary {
             self.lr,
             if self.lora_rank > 0 { format!("LoRA r{} (merged)", self.lora_rank) } else { "full fine-tune".into() }
         );
-        out += &format!("  nll before      {:.4}\n", self.nll_before);
         for (e, l) in self.epoch_loss.iter().enumerate() {
-            out += &format!("  epoch {:<9} {l:.4}\n", e + 1);
+            out += &format!("  epoch {:<9} loss {l:.4}\n", e + 1);
         }
-        out += &format!("  nll after       {:.4}\n", self.nll_after);
+        if let (Some(before), Some(after)) = (self.heldout_nll_before, self.heldout_nll_after) {
+            out += &format!(
+                "  held-out nll    {before:.4} → {after:.4} (per answer token, {} unseen episodes)\n",
+                self.heldout_episodes
+            );
+        }
         out += &format!("  model           {}\n", self.out.display());
         out += &format!("  summary         {}\n", summary_dir(&self.out).join("sft.json").display());
         out += &format!("  next: ragen-lab train --env {} --model {}\n", self.experiment.display(), self.out.display());
