@@ -206,7 +206,8 @@ fn the_sft_command_writes_a_model_that_train_starts_from() {
     assert_eq!(summary["step_loss"].as_array().unwrap().len(), 4);
     // The held-out demonstrations (the 32 seeds after the 6) are scored before and after.
     assert_eq!(summary["heldout_episodes"], 32);
-    let (before, after) = (summary["heldout_nll_before"].as_f64().unwrap(), summary["heldout_nll_after"].as_f64().unwrap());
+    let (before, after) =
+        (summary["heldout_nll_before"].as_f64().unwrap(), summary["heldout_nll_after"].as_f64().unwrap());
     assert!(after < before, "{summary}");
     assert_eq!(std::fs::read_to_string(dir.path().join("warm/demos.jsonl")).unwrap().lines().count(), 6);
     // The adapters were merged: a plain HF folder.
