@@ -219,7 +219,8 @@ settings_section! {
         /// Whiten GAE and bi-level GAE advantages over the assistant tokens of the batch
         /// (REINFORCE++ always whitens; GRPO, RLOO and ReMax never do).
         whiten: bool = true,
-        /// GRPO divides by the in-group std (false: R − μ only, Dr. GRPO).
+        /// GRPO divides by the in-group std (false: R − μ only, Dr. GRPO; pair it with
+        /// reward_norm identity or mean, since mean_std has already divided the scores).
         norm_adv_by_std_in_grpo: bool = true,
         /// GRPO: weight each group's advantages by its std over the largest kept group's
         /// (RAGEN-2 soft_advantage_reweight), so low-variance groups count less.

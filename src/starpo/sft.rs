@@ -10,8 +10,8 @@
 //!   3. epochs × shuffled mini-batches of `optim.mini_batch_size` episodes: the mean negative
 //!      log-likelihood of the answer (assistant) tokens, gradients summed over micro-batches
 //!      (`optim.micro_batch_size`, `optim.checkpoint_layers`), grad-norm clip, AdamW step
-//!   4. the held-out NLL after; adapters merged into the weights; an HF folder that `train --model` loads,
-//!      with sft.json (loss curve, settings, counts) and demos.jsonl beside it
+//!   4. the held-out NLL after; adapters merged into the weights; an HF folder that
+//!      `train --model` loads, with sft.json (loss curve, settings, counts) and demos.jsonl
 //!
 //! The loss is a token mean over the whole mini-batch (every answer token weighs the same, the
 //! usual SFT loss), not StarPO's per-sequence token mean. The learning rate is `--lr`, not
@@ -150,12 +150,8 @@ pub fn sft(opts: Options) -> Result<Summary> {
     phases.demonstrations = lap();
 
     // 2. The held-out NLL before training.
-    let heldout_nll = |policy: &Policy| -> Result<Option<f64>> {
-        if heldout.is_empty() {
-            return Ok(None);
-        }
-        Ok(Some(nll(policy, &heldout, s.optim.micro_batch_size)?))
-    };
+    let heldout_nll =
+        |policy: &Policy| (!heldout.is_empty()).then(|| nll(policy, &heldout, s.optim.micro_batch_size)).transpose();
     let heldout_nll_before = heldout_nll(&policy)?;
     phases.nll = lap();
 
