@@ -233,4 +233,44 @@ fn the_sft_command_writes_a_model_that_train_starts_from() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let events = std::fs::read_to_string(run.join("events.jsonl")).unwrap();
     assert!(events.contains("\"validation\""), "{events}");
+    // Validation asks the solver every turn; the agreement is the share of first actions that
+    // match its move, recomputed here from the rollout lines.
+    let lines = std::fs::read_to_string(run.join("rollouts/val-step-000000.jsonl")).unwrap();
+    let (mut asked, mut agreed) = (0, 0);
+    for line in lines.lines() {
+        let l: Value = serde_json::from_str(line).unwrap();
+        for u in l["turns"].as_array().unwrap() {
+            // A turn from a dead end (a box in a corner) has no solver move and is not counted.
+            let Some(best) = u["solver_action"].as_str() else { continue };
+            asked += 1;
+            agreed += usize::from(u["actions"][0].as_str().is_some_and(|a| a.eq_ignore_ascii_case(best)));
+        }
+    }
+    let validation: Value = serde_json::from_str(events.lines().find(|l| l.contains("\"validation\"")).unwrap()).unwrap();
+    assert!(asked > 0);
+    assert_eq!(validation["val/solver_agreement"].as_f64().unwrap(), agreed as f64 / asked as f64, "{validation}");
+}
+
+#[test]
+fn sft_param_shapes_the_demonstrations_and_a_wrong_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sft = |param: &str, out: &str| {
+        Command::new(BIN)
+            .current_dir(repo())
+            .args(["sft", "--env", "scripts/frozenlake.rhai", "--model", "tiny-llama", "--episodes", "2"])
+            .args(["--epochs", "1", "--heldout", "0", "--quiet", "--param", param, "--out"])
+            .arg(dir.path().join(out).join("model"))
+            .output()
+            .unwrap()
+    };
+    let out = sft("observation_format=coord", "coord");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("coord/sft.json")).unwrap()).unwrap();
+    assert_eq!(summary["params"]["observation_format"], "coord", "{summary}");
+    let demos = std::fs::read_to_string(dir.path().join("coord/demos.jsonl")).unwrap();
+    assert!(demos.contains("Board size: 4 rows x 4 cols") && !demos.contains("\"obs\":\"_"), "{demos}");
+    let out = sft("observation_fromat=coord", "typo");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("observation_fromat"), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -101,6 +101,9 @@ pub struct Plan {
     pub temperature: f64,
     /// Env parameters (training or held-out).
     pub params: Map<String, Value>,
+    /// Ask the env's solver for its move every turn (`TurnRecord::solver_action`): validation
+    /// does, training does not (a search per turn it would not use).
+    pub ask_solver: bool,
 }
 
 /// One turn as the run directory records it (docs/contracts.md "Trajectory line").
@@ -123,6 +126,10 @@ pub struct TurnRecord {
     pub response_tokens: usize,
     /// Tokens of the think text (0 in no-think mode or on a format error).
     pub think_tokens: usize,
+    /// The env solver's first move from the state shown this turn, where the rollout asked
+    /// (validation) and the env defines `fn solve`: whether the model read the state.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub solver_action: Option<String>,
 }
 
 /// Script versions that produced a trajectory.
@@ -180,6 +187,8 @@ pub struct Play {
     pub truncated: bool,
     /// Each turn's sampled ids and the engine's log-probs (rollouts on HTTP engines only).
     pub sampled: Vec<(Vec<u32>, Vec<f32>)>,
+    /// Record the solver's move every turn ([`Plan::ask_solver`]).
+    pub ask_solver: bool,
 }
 
 /// A reply to one turn, as the model wrote it.
@@ -218,6 +227,7 @@ impl Play {
             done: false,
             truncated: false,
             sampled: Vec::new(),
+            ask_solver: false,
         })
     }
 
@@ -236,6 +246,11 @@ impl Play {
         count_tokens: impl Fn(&str) -> Result<usize>,
     ) -> Result<()> {
         let parsed: ParsedTurn = turns.limits.parse(&reply.text, &turns.info, s.think);
+        // Before the env steps: the solver plans from the state the model was shown.
+        let solver_action = match self.ask_solver {
+            true => self.episode.solve()?.and_then(|path| path.into_iter().next()),
+            false => None,
+        };
         // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
         // (RAGEN's format penalty included) is the experiment's reward scripts' job.
         let (applied, reward) = apply_and_shape(
@@ -276,6 +291,7 @@ impl Play {
             done: self.done,
             response_tokens: reply.tokens,
             think_tokens,
+            solver_action,
         });
         Ok(())
     }
@@ -336,7 +352,9 @@ pub fn rollout(
     let mut live = Vec::new();
     for (group, &seed) in plan.seeds.iter().enumerate() {
         for index in 0..plan.group_size {
-            live.push(Play::new(scripts, group, index, seed, &plan.params, system)?);
+            let mut play = Play::new(scripts, group, index, seed, &plan.params, system)?;
+            play.ask_solver = plan.ask_solver;
+            live.push(play);
         }
     }
     // What the model computed for each episode last turn, to continue from.

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use super::train::utc_stamp;
+use super::train::{assignments, utc_stamp};
 use crate::starpo::sft::{sft, Options};
 
 /// Warm-start a model from the env's own solver before RL: supervised fine-tuning on
@@ -55,6 +55,11 @@ pub struct Args {
     /// (repeatable). The rollout.* settings shape the demonstrations.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub sets: Vec<String>,
+    /// Override an env parameter of the demonstrations as `train --param` does, e.g.
+    /// `--param observation_format=coord` (repeatable; over the experiment's `params`). Pass the
+    /// same to the `train` that follows: the model learns the states it is shown.
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    pub params: Vec<String>,
     /// The model folder to write; it must not exist (default runs/<experiment>-sft-<date>/model).
     /// sft.json and demos.jsonl go to its parent.
     #[arg(long, value_name = "DIR")]
@@ -71,6 +76,7 @@ pub fn run(args: Args) -> Result<()> {
         experiment: args.env,
         model: args.model,
         sets: args.sets,
+        params: assignments(&args.params)?,
         episodes: args.episodes,
         epochs: args.epochs,
         lr: args.lr,

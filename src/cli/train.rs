@@ -91,7 +91,7 @@ fn resolve_resume(run: &Path) -> PathBuf {
     }
 }
 
-fn assignments(flags: &[String]) -> Result<Vec<(String, String)>> {
+pub(crate) fn assignments(flags: &[String]) -> Result<Vec<(String, String)>> {
     flags.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect()
 }
 

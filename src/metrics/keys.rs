@@ -99,12 +99,18 @@ metric_keys! {
     ValRewardMean = "val/reward_mean",
     /// Validation: share of seeds with a success among their k samples.
     ValPassAtK = "val/pass_at_k",
+    /// Validation: share of turns whose first action is the env solver's first move from the
+    /// state the model was shown (envs with `fn solve`; turns where it has one): whether the
+    /// policy reads the state, apart from the luck of the env's steps.
+    ValSolverAgreement = "val/solver_agreement",
     /// Held-out validation: share of successful episodes.
     HeldoutSuccess = "val_heldout/success",
     /// Held-out validation: mean score.
     HeldoutRewardMean = "val_heldout/reward_mean",
     /// Held-out validation: share of seeds with a success among their k samples.
     HeldoutPassAtK = "val_heldout/pass_at_k",
+    /// Held-out validation: share of turns whose first action is the env solver's first move.
+    HeldoutSolverAgreement = "val_heldout/solver_agreement",
     /// Seconds of the rollout.
     RolloutS = "time/rollout_s",
     /// Seconds of the update.
@@ -169,12 +175,13 @@ impl Key {
         }
     }
 
-    /// A validation's (success, reward mean, pass@k) keys: `val/` or, held out, `val_heldout/`.
-    pub const fn validation(held_out: bool) -> [Key; 3] {
+    /// A validation's (success, reward mean, pass@k, solver agreement) keys: `val/` or, held
+    /// out, `val_heldout/`.
+    pub const fn validation(held_out: bool) -> [Key; 4] {
         if held_out {
-            [Key::HeldoutSuccess, Key::HeldoutRewardMean, Key::HeldoutPassAtK]
+            [Key::HeldoutSuccess, Key::HeldoutRewardMean, Key::HeldoutPassAtK, Key::HeldoutSolverAgreement]
         } else {
-            [Key::ValSuccess, Key::ValRewardMean, Key::ValPassAtK]
+            [Key::ValSuccess, Key::ValRewardMean, Key::ValPassAtK, Key::ValSolverAgreement]
         }
     }
 

@@ -28,7 +28,7 @@ use serde::Serialize;
 use serde_json::{json, Map, Value};
 
 use super::rundir::RunDir;
-use super::trainer::{resolve_settings, trajectory_line};
+use super::trainer::{resolve_settings, solver_agreement, trajectory_line};
 use super::{settings::Preset, Settings};
 use crate::agent::rollout::{Play, Reply, Turns, Versions};
 use crate::metrics::keys::Key;
@@ -71,6 +71,9 @@ pub struct VariantSummary {
     pub format_error_rate: f64,
     /// Mean generated tokens per turn (the server's count).
     pub response_tokens_mean: f64,
+    /// Share of turns whose first action is the env solver's first move (envs with `fn solve`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub solver_agreement: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -269,10 +272,13 @@ pub fn eval(opts: Options) -> Result<Summary> {
         let text: String = lines[v].iter().map(|l| format!("{l}\n")).collect();
         super::rundir::write_atomic(&file(v), text.as_bytes())?;
         let sum = summarize(key, &lines[v]);
-        let [k_success, k_reward, k_pass] = Key::validation(*key == "val_heldout");
+        let [k_success, k_reward, k_pass, k_agree] = Key::validation(*key == "val_heldout");
         k_success.put(&mut event, sum.success);
         k_reward.put(&mut event, sum.reward_mean);
         k_pass.put(&mut event, sum.pass_at_k);
+        if let Some(a) = sum.solver_agreement {
+            k_agree.put(&mut event, a);
+        }
         event.insert(format!("eval/{key}/format_error_rate"), json!(sum.format_error_rate));
         summaries.push(sum);
     }
@@ -347,6 +353,7 @@ fn play(
     let r = &s.rollout;
     let turns = Turns::new(scripts, params, r)?;
     let mut play = Play::new(scripts, item.group, item.index, item.seed, params, &turns.system)?;
+    play.ask_solver = true;
     let (mut latencies, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
     for turn in 1..=turns.max_turns {
         let opened = turns.user_turn(scripts, &play.episode, &mut play.history, turn, play.prev_reward, r)?;
@@ -434,6 +441,7 @@ fn summarize(key: &str, lines: &[Value]) -> VariantSummary {
         reward_mean,
         format_error_rate: turns.iter().filter(|u| u["format_ok"] == false).count() as f64 / t,
         response_tokens_mean: turns.iter().filter_map(|u| u["response_tokens"].as_f64()).sum::<f64>() / t,
+        solver_agreement: solver_agreement(lines),
     }
 }
 

@@ -34,7 +34,7 @@ use crate::agent::demo::{demonstrations, DemoStats};
 use crate::agent::pack::Packed;
 use crate::policy::{lora, Policy};
 use crate::rng::Rng;
-use crate::script::{Experiment, Host, Limits};
+use crate::script::{params, Experiment, Host, Limits};
 
 /// `--lr` when LoRA is on (RAGEN App. C).
 pub const LORA_LR: f64 = 1e-4;
@@ -49,6 +49,8 @@ pub struct Options {
     pub model: Option<String>,
     /// `--set key=value` flags, in order.
     pub sets: Vec<String>,
+    /// `--param key=value`: env parameters over the experiment's `params`.
+    pub params: Vec<(String, String)>,
     /// Demonstration episodes, one seed each.
     pub episodes: usize,
     pub epochs: usize,
@@ -74,6 +76,8 @@ pub struct Summary {
     pub epochs: usize,
     pub first_seed: u64,
     pub lora_rank: usize,
+    /// The env parameters the demonstrations were played with (the experiment's, with `--param`).
+    pub params: serde_json::Map<String, serde_json::Value>,
     pub demos: DemoStats,
     /// Held-out demonstration episodes (seeds after the training ones; unsolvable ones skipped).
     pub heldout_episodes: usize,
@@ -113,7 +117,8 @@ pub fn sft(opts: Options) -> Result<Summary> {
     let exp = Experiment::load(&host, &opts.experiment)?;
     let s = resolve_settings(Preset::StarpoS, None, &exp.settings, &exp.path, &opts.sets)?;
     let scripts = exp.scripts(&host)?;
-    let params = scripts.env.params_from(&exp.params)?;
+    let params = params::apply(scripts.env.name(), &scripts.env.params_from(&exp.params)?, &opts.params)
+        .map_err(anyhow::Error::msg)?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
     if opts.progress {
         eprintln!("ragen-lab sft: {} with {} → {}", opts.experiment.display(), model, opts.out.display());
@@ -191,6 +196,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
         epochs: opts.epochs,
         first_seed,
         lora_rank: s.lora.rank,
+        params,
         demos: stats,
         heldout_episodes: heldout.len(),
         heldout_nll_before,

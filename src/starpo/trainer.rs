@@ -617,6 +617,7 @@ fn play_step(
                 group_size: s.rollout.group_size,
                 temperature: s.rollout.temperature,
                 params,
+                ask_solver: false,
             };
             let trajs = rollout(policy, engine, scripts, &plan, &s.rollout, rng)?;
             // ReMax's baseline: one greedy episode per group, from the same start state.
@@ -711,6 +712,7 @@ fn validate(
             group_size: s.train.val_samples,
             temperature: s.train.val_temperature,
             params: scripts.env.params_from(&params)?,
+            ask_solver: true,
         };
         let mut rng = Rng::derive(s.train.seed, 1_000_003);
         let trajs = rollout(policy, engine, scripts, &plan, &s.rollout, &mut rng)
@@ -721,12 +723,15 @@ fn validate(
         let members = groups(&trajs);
         let pass =
             members.iter().filter(|m| m.iter().any(|&i| trajs[i].success)).count() as f64 / members.len().max(1) as f64;
-        let [k_success, k_reward, k_pass] = Key::validation(key == "val_heldout");
+        let lines: Vec<Value> =
+            trajs.iter().map(|t| trajectory_line(step, Some(version), t, None, None, false)).collect();
+        let [k_success, k_reward, k_pass, k_agree] = Key::validation(key == "val_heldout");
         put(&mut out, k_success, success);
         put(&mut out, k_reward, reward);
         put(&mut out, k_pass, pass);
-        let lines: Vec<Value> =
-            trajs.iter().map(|t| trajectory_line(step, Some(version), t, None, None, false)).collect();
+        if let Some(a) = solver_agreement(&lines) {
+            put(&mut out, k_agree, a);
+        }
         run.rollouts(&format!("{file}-step-{step:06}"), &lines)?;
     }
     let mut extra = out.clone();
@@ -952,6 +957,22 @@ pub(crate) fn trajectory_line(
         v["advantage"] = json!(a);
     }
     v
+}
+
+/// The share of turns, over trajectory lines, whose first action is the env solver's first move
+/// from the state the model was shown (`solver_action`, recorded where the rollout asked the
+/// solver); `None` when no turn has one (the env defines no `solve`). Names compare as the env's
+/// turn parser does, ignoring case.
+pub(crate) fn solver_agreement(lines: &[Value]) -> Option<f64> {
+    let asked: Vec<bool> = lines
+        .iter()
+        .flat_map(|l| l["turns"].as_array().into_iter().flatten())
+        .filter_map(|u| {
+            let best = u["solver_action"].as_str()?;
+            Some(u["actions"][0].as_str().is_some_and(|a| a.eq_ignore_ascii_case(best)))
+        })
+        .collect();
+    (!asked.is_empty()).then(|| asked.iter().filter(|&&a| a).count() as f64 / asked.len() as f64)
 }
 
 fn headline(m: &Map<String, Value>) -> String {
