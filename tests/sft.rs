@@ -246,7 +246,8 @@ fn the_sft_command_writes_a_model_that_train_starts_from() {
             agreed += usize::from(u["actions"][0].as_str().is_some_and(|a| a.eq_ignore_ascii_case(best)));
         }
     }
-    let validation: Value = serde_json::from_str(events.lines().find(|l| l.contains("\"validation\"")).unwrap()).unwrap();
+    let validation: Value =
+        serde_json::from_str(events.lines().find(|l| l.contains("\"validation\"")).unwrap()).unwrap();
     assert!(asked > 0);
     assert_eq!(validation["val/solver_agreement"].as_f64().unwrap(), agreed as f64 / asked as f64, "{validation}");
 }
@@ -272,5 +273,9 @@ fn sft_param_shapes_the_demonstrations_and_a_wrong_one_is_refused() {
     assert!(demos.contains("Board size: 4 rows x 4 cols") && !demos.contains("\"obs\":\"_"), "{demos}");
     let out = sft("observation_fromat=coord", "typo");
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("observation_fromat"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("observation_fromat"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
