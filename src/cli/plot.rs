@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "Charts: reward mean ± std, success (train and validation), in-group reward std, entropy, gradient norm, response and think length, KL, clip fraction, and the template-collapse estimate. Alarms (red, at the step their condition began) and script swaps (grey, dashed) are marked on the step axis. Several runs share each chart (colour = run), e.g. StarPO against StarPO-S. Runs without tb/ also get TensorBoard files written from metrics.jsonl."
+    after_help = "Charts: reward mean ± std, success (train and validation, with the validation moves' agreement with the env's solver where it has one), in-group reward std, entropy, gradient norm, response and think length, KL, clip fraction, and the template-collapse estimate. Alarms (red, at the step their condition began) and script swaps (grey, dashed) are marked on the step axis. Several runs share each chart (colour = run), e.g. StarPO against StarPO-S. Runs without tb/ also get TensorBoard files written from metrics.jsonl."
 )]
 pub struct Args {
     /// Run directories (runs/<name>/), each with a metrics.jsonl.

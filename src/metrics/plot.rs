@@ -56,12 +56,14 @@ pub const PANELS: &[Panel] = &[
     },
     Panel {
         file: "success",
-        title: "Success rate",
-        y: "success",
+        title: "Success rate (and how often validation moves are the solver's)",
+        y: "share",
         lines: &[
             line(Key::Success, "train"),
             line(Key::ValSuccess, "validation"),
             line(Key::HeldoutSuccess, "held-out"),
+            line(Key::ValSolverAgreement, "validation: solver agreement"),
+            line(Key::HeldoutSolverAgreement, "held-out: solver agreement"),
         ],
     },
     Panel {
