@@ -226,6 +226,15 @@ impl EnvScript {
         params::merge(self.name(), &self.default_params()?, given).map_err(|m| ScriptError::new(self.name(), m))
     }
 
+    /// An experiment's `params` merged into the defaults, then `--param key=value` overrides.
+    pub fn params_with(
+        &self,
+        given: &Map<String, Value>,
+        overrides: &[(String, String)],
+    ) -> Result<Map<String, Value>, ScriptError> {
+        params::apply(self.name(), &self.params_from(given)?, overrides).map_err(|m| ScriptError::new(self.name(), m))
+    }
+
     pub fn info(&self, params: &Map<String, Value>) -> Result<EnvInfo, ScriptError> {
         let v = self.0.call("describe", (to_dynamic(params, self.name())?,), None)?;
         let json = to_json(&v).map_err(|e| {

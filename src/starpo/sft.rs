@@ -34,7 +34,7 @@ use crate::agent::demo::{demonstrations, DemoStats};
 use crate::agent::pack::Packed;
 use crate::policy::{lora, Policy};
 use crate::rng::Rng;
-use crate::script::{params, Experiment, Host, Limits};
+use crate::script::{Experiment, Host, Limits};
 
 /// `--lr` when LoRA is on (RAGEN App. C).
 pub const LORA_LR: f64 = 1e-4;
@@ -117,8 +117,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
     let exp = Experiment::load(&host, &opts.experiment)?;
     let s = resolve_settings(Preset::StarpoS, None, &exp.settings, &exp.path, &opts.sets)?;
     let scripts = exp.scripts(&host)?;
-    let params = params::apply(scripts.env.name(), &scripts.env.params_from(&exp.params)?, &opts.params)
-        .map_err(anyhow::Error::msg)?;
+    let params = scripts.env.params_with(&exp.params, &opts.params)?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
     if opts.progress {
         eprintln!("ragen-lab sft: {} with {} → {}", opts.experiment.display(), model, opts.out.display());

@@ -42,7 +42,7 @@ use crate::phase::{self, Phase};
 use crate::policy::{lora, Critic, Policy};
 use crate::rng::Rng;
 use crate::script::{
-    params, Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
+    Experiment, ExperimentScripts, Host, Limits, Loaded, Role, ScriptError, Update, WatchMode, Watcher,
 };
 
 /// The model when neither `--model` nor the experiment names one.
@@ -197,16 +197,12 @@ pub fn train(opts: Options) -> Result<Summary> {
     } else {
         (exp.scripts(&host)?, Vec::new())
     };
-    let with_flags = |given: &Map<String, Value>, flags: &[(String, String)]| -> Result<Map<String, Value>> {
-        let full = scripts.env.params_from(given)?;
-        params::apply(scripts.env.name(), &full, flags).map_err(anyhow::Error::msg)
-    };
     if !opts.val_params.is_empty() {
         let base = exp.val_params.clone().unwrap_or_else(|| exp.params.clone());
-        exp.val_params = Some(with_flags(&base, &opts.val_params)?);
+        exp.val_params = Some(scripts.env.params_with(&base, &opts.val_params)?);
     }
     if !opts.params.is_empty() {
-        exp.params = with_flags(&exp.params, &opts.params)?;
+        exp.params = scripts.env.params_with(&exp.params, &opts.params)?;
     }
     let device = crate::policy::device()?;
     let model = opts.model.clone().or(exp.model.clone()).unwrap_or_else(|| DEFAULT_MODEL.to_string());
