@@ -230,3 +230,30 @@ fn busy_answers_are_retried_with_backoff() {
     assert_eq!(ep.retried.load(std::sync::atomic::Ordering::Relaxed), 2);
     assert!(!format!("{ep:?}").contains("secret-key"), "the key is never printed");
 }
+
+#[test]
+fn a_seeded_request_samples_the_same_tokens_alone_or_batched_with_others() {
+    let ask = |text: &str, seed: u64| ChatRequest {
+        model: "tiny-llama".into(),
+        messages: vec![ChatMessage { role: "user".into(), content: text.into() }],
+        sampling: Sampling { max_tokens: Some(16), temperature: Some(1.0), seed: Some(seed), ..Sampling::default() },
+        ..ChatRequest::default()
+    };
+    let send = |req: &ChatRequest| -> String {
+        let resp = Endpoint::new(&url(), None, Duration::from_secs(60)).unwrap().chat(req).unwrap();
+        resp.choices[0].message.content.clone()
+    };
+    let alone = send(&ask("Pick an arm.", 7));
+    // The same request among seven others sent at once: the server batches what arrives together.
+    let batched = std::thread::scope(|s| {
+        let others: Vec<_> =
+            (0..7).map(|i| s.spawn(move || send(&ask(&format!("Arm number {i}, please."), 100 + i)))).collect();
+        let mine = s.spawn(|| send(&ask("Pick an arm.", 7)));
+        others.into_iter().for_each(|h| drop(h.join().unwrap()));
+        mine.join().unwrap()
+    });
+    assert_eq!(batched, alone);
+    // The seed decides the draws: other seeds give other replies.
+    let others: Vec<String> = (8..12).map(|seed| send(&ask("Pick an arm.", seed))).collect();
+    assert!(others.iter().any(|r| *r != alone), "{alone:?} for every seed: {others:?}");
+}

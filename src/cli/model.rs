@@ -7,7 +7,7 @@ use std::io::Write;
 use anyhow::{anyhow, Context, Result};
 use serde_json::json;
 
-use crate::policy::{device, lora, GenerationConfig, Message, Policy, TokenBatch};
+use crate::policy::{device, lora, Draws, GenerationConfig, Message, Policy, TokenBatch};
 use crate::rng::Rng;
 
 #[derive(clap::Subcommand, Debug)]
@@ -136,7 +136,7 @@ fn chat(p: &Policy, messages: &[Message], cfg: &GenerationConfig, seed: u64) -> 
     let mut out = std::io::stdout().lock();
     let mut err = None;
     let mut printed = String::new();
-    let gens = p.generate_with(&[prompt], cfg, &mut Rng::new(seed), |_, id| {
+    let gens = p.generate_with(&[prompt], cfg, Draws::Shared(&mut Rng::new(seed)), |_, id| {
         // Print each piece as soon as it forms whole characters.
         match stream.step(id) {
             Ok(Some(piece)) => {

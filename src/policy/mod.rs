@@ -45,7 +45,7 @@ pub use critic::Critic;
 pub use logprob::{Scored, TokenBatch};
 pub use model::Decoder;
 pub use resolve::ModelLocation;
-pub use sample::{Finish, Generation, GenerationConfig, Resume};
+pub use sample::{Draws, Finish, Generation, GenerationConfig, Resume};
 
 /// A loaded model with its tokenizer and chat template.
 pub struct Policy {

@@ -182,6 +182,24 @@ impl Resume {
     }
 }
 
+/// Where a batch's random draws come from.
+pub enum Draws<'a> {
+    /// One stream for the whole batch, row after row (in process: the run's seed fixes every draw).
+    Shared(&'a mut Rng),
+    /// One stream per row (a server: a request's `seed` fixes its own draws whatever requests it
+    /// happens to be batched with).
+    PerRow(&'a mut [Rng]),
+}
+
+impl Draws<'_> {
+    fn row(&mut self, row: usize) -> &mut Rng {
+        match self {
+            Draws::Shared(rng) => rng,
+            Draws::PerRow(rngs) => &mut rngs[row],
+        }
+    }
+}
+
 /// Pick a token from one row of logits; returns (id, log-prob as documented on `Generation`).
 fn pick(logits: &[f32], cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
     let t = if cfg.temperature > 0.0 { cfg.temperature as f32 } else { 1.0 };
@@ -224,18 +242,24 @@ fn pick(logits: &[f32], cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
 impl Policy {
     /// Generate a continuation of every prompt (token ids, e.g. from `chat_tokens`).
     pub fn generate(&self, prompts: &[Vec<u32>], cfg: &GenerationConfig, rng: &mut Rng) -> Result<Vec<Generation>> {
-        self.generate_with(prompts, cfg, rng, |_, _| {})
+        self.generate_with(prompts, cfg, Draws::Shared(rng), |_, _| {})
     }
 
-    /// `generate`, calling `on_token(row, id)` as each id is sampled (for streaming).
+    /// `generate` with the draws given, calling `on_token(row, id)` as each id is sampled (for
+    /// streaming).
     pub fn generate_with(
         &self,
         prompts: &[Vec<u32>],
         cfg: &GenerationConfig,
-        rng: &mut Rng,
+        draws: Draws,
         on_token: impl FnMut(usize, u32),
     ) -> Result<Vec<Generation>> {
-        Ok(self.run(prompts, &[], false, cfg, rng, on_token)?.0)
+        if let Draws::PerRow(rngs) = &draws {
+            if rngs.len() != prompts.len() {
+                bail!("{} random streams for {} prompts", rngs.len(), prompts.len());
+            }
+        }
+        Ok(self.run(prompts, &[], false, cfg, draws, on_token)?.0)
     }
 
     /// `generate` for rows that may continue an earlier call: `resume[i]` (if any) supplies the
@@ -252,7 +276,7 @@ impl Policy {
         if resume.len() != prompts.len() {
             bail!("{} resumes for {} prompts", resume.len(), prompts.len());
         }
-        self.run(prompts, resume, keep, cfg, rng, |_, _| {})
+        self.run(prompts, resume, keep, cfg, Draws::Shared(rng), |_, _| {})
     }
 
     fn run(
@@ -261,7 +285,7 @@ impl Policy {
         resume: &[Option<Resume>],
         keep: bool,
         cfg: &GenerationConfig,
-        rng: &mut Rng,
+        mut draws: Draws,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<(Vec<Generation>, Vec<Option<Resume>>)> {
         let b = prompts.len();
@@ -333,9 +357,9 @@ impl Policy {
                                 .zip(allowed.iter().chain(std::iter::repeat(&false)))
                                 .map(|(&z, &ok)| if ok { z } else { f32::NEG_INFINITY })
                                 .collect();
-                            pick(&masked, cfg, rng)
+                            pick(&masked, cfg, draws.row(row))
                         }
-                        None => pick(&logits[k], cfg, rng),
+                        None => pick(&logits[k], cfg, draws.row(row)),
                     }
                 };
                 if let Some(texts) = &token_texts {

@@ -2,13 +2,14 @@
 //! takes the oldest one together with every waiting request for the same weights that samples
 //! the same way (equal `GenerationConfig`), up to `max_batch` rows, into one call of the batched sampler. Concurrent
 //! clients therefore share forward passes, as in a continuous-batching engine, at the grain of
-//! whole requests.
+//! whole requests. Each request draws from its own random stream, seeded by its `seed` (else by
+//! the server's), so a seeded request samples the same tokens whatever it is batched with.
 use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::policy::{Generation, GenerationConfig, Policy};
+use crate::policy::{Draws, Generation, GenerationConfig, Policy};
 use crate::rng::Rng;
 
 /// How long the first request of an idle server waits for others that arrive with it.
@@ -20,6 +21,8 @@ pub struct Job {
     pub policy: Arc<Policy>,
     pub prompt: Vec<u32>,
     pub cfg: GenerationConfig,
+    /// The request's `seed`; without one, the server's stream picks it.
+    pub seed: Option<u64>,
     /// Each id as it is sampled (streaming); dropped when the generation ends.
     pub tokens: Option<Sender<u32>>,
     pub reply: Sender<Result<Generation, String>>,
@@ -59,7 +62,8 @@ fn run(rx: &Receiver<Job>, max_batch: usize, seed: u64) {
         }
         waiting = rest;
         let prompts: Vec<Vec<u32>> = batch.iter().map(|j| j.prompt.clone()).collect();
-        let result = policy.generate_with(&prompts, &cfg, &mut rng, |row, id| {
+        let mut rngs: Vec<Rng> = batch.iter().map(|j| Rng::new(j.seed.unwrap_or_else(|| rng.next_u64()))).collect();
+        let result = policy.generate_with(&prompts, &cfg, Draws::PerRow(&mut rngs), |row, id| {
             if let Some(tx) = &batch[row].tokens {
                 let _ = tx.send(id);
             }

@@ -185,6 +185,7 @@ struct Asked {
     cfg: GenerationConfig,
     stops: Vec<String>,
     keep_stop: bool,
+    seed: Option<u64>,
 }
 
 fn asked(policy: &Arc<Policy>, prompt: Vec<u32>, s: &Sampling) -> Result<Asked, Refusal> {
@@ -222,7 +223,7 @@ fn asked(policy: &Arc<Policy>, prompt: Vec<u32>, s: &Sampling) -> Result<Asked, 
         ..GenerationConfig::default()
     };
     let keep_stop = s.include_stop_str_in_output.unwrap_or(false);
-    Ok(Asked { policy: policy.clone(), prompt, cfg, stops, keep_stop })
+    Ok(Asked { policy: policy.clone(), prompt, cfg, stops, keep_stop, seed: s.seed })
 }
 
 fn chat(served: &Served, request: Request, req: ChatRequest) -> std::io::Result<()> {
@@ -393,6 +394,7 @@ fn generate(served: &Served, asked: &Asked) -> Result<(Generation, String), Refu
         policy: asked.policy.clone(),
         prompt: asked.prompt.clone(),
         cfg: asked.cfg.clone(),
+        seed: asked.seed,
         tokens: None,
         reply: tx,
     };
@@ -432,6 +434,7 @@ fn stream(
         policy: asked.policy.clone(),
         prompt: asked.prompt.clone(),
         cfg: asked.cfg.clone(),
+        seed: asked.seed,
         tokens: Some(tokens_tx),
         reply: tx,
     };
