@@ -507,6 +507,27 @@ fn frozenlake_grid_coord_writes_ragen2s_coordinate_lines_above_the_grid() {
 }
 
 #[test]
+fn frozenlake_relative_names_the_goals_offset_and_the_holes_next_to_the_player_in_moves() {
+    let e = env("frozenlake");
+    let p = params(&e, &[("map", "SFFF,FHFH,FFFH,HFFG"), ("slippery", "false"), ("observation_format", "relative")]);
+    assert_eq!(e.info(&p).unwrap().legend, "", "no grid symbols to explain");
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    assert_eq!(ep.render().unwrap(), "The goal is 3 Down and 3 Right from you.\nNo hole next to you.");
+    ep.step("Right").unwrap();
+    assert_eq!(ep.render().unwrap(), "The goal is 3 Down and 2 Right from you.\nHoles next to you: Down.");
+    ep.step("Right").unwrap();
+    ep.step("Right").unwrap();
+    assert_eq!(ep.render().unwrap(), "The goal is 3 Down from you.\nHoles next to you: Down.");
+    assert!(ep.step("Down").unwrap().done);
+    assert_eq!(ep.render().unwrap(), "You fell into a hole.");
+    let p = params(&e, &[("map", "FFFF,FFFF,FFFF,FFGS"), ("slippery", "false"), ("observation_format", "relative")]);
+    let mut ep = e.reset(0, 0, &p).unwrap();
+    assert_eq!(ep.render().unwrap(), "The goal is 1 Left from you.\nNo hole next to you.");
+    assert!(ep.step("Left").unwrap().success);
+    assert_eq!(ep.render().unwrap(), "You are on the goal.");
+}
+
+#[test]
 fn frozenlake_renders_the_grid_alone_by_default_and_coordinates_do_not_change_the_map() {
     let e = env("frozenlake");
     let default = params(&e, &[]);

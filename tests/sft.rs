@@ -16,7 +16,7 @@ use ragen_lab::script::turn::{apply_turn, parse_turn};
 use ragen_lab::script::{EnvScript, Episode, Experiment, Host, Limits};
 use ragen_lab::starpo::optim::AdamW;
 use ragen_lab::starpo::settings::{Preset, Settings};
-use ragen_lab::starpo::sft::{fine_tune, nll};
+use ragen_lab::starpo::sft::{fine_tune, nll, LrSchedule};
 use ragen_lab::starpo::trainer::resolve_settings;
 use serde_json::{Map, Value};
 
@@ -162,6 +162,15 @@ fn masked(p: &Packed) -> Vec<u32> {
 }
 
 #[test]
+fn the_cosine_schedule_falls_from_the_peak_towards_zero_and_constant_stays() {
+    let rates: Vec<f64> = (0..10).map(|i| LrSchedule::Cosine.at(1e-4, i, 10)).collect();
+    assert_eq!(rates[0], 1e-4);
+    assert!((rates[5] - 0.5e-4).abs() < 1e-12, "half way: {}", rates[5]);
+    assert!(rates.windows(2).all(|w| w[1] < w[0]) && rates[9] > 0.0 && rates[9] < 0.03e-4, "{rates:?}");
+    assert!((0..10).all(|i| LrSchedule::Constant.at(1e-4, i, 10) == 1e-4));
+}
+
+#[test]
 fn a_short_sft_lowers_the_demonstrations_nll_and_the_saved_folder_gives_the_same_logprobs() {
     let policy = Policy::load("tiny-llama", &Device::Cpu).unwrap();
     let (demos, mut s) = demos(&policy, "scripts/frozenlake.rhai", &[], 8);
@@ -170,7 +179,9 @@ fn a_short_sft_lowers_the_demonstrations_nll_and_the_saved_folder_gives_the_same
     let before = nll(&policy, &seqs, s.optim.micro_batch_size).unwrap();
     let mut opt = AdamW::new(policy.model.trainable_vars(), 1e-3, &s.optim).unwrap();
     let mut steps = 0;
-    let epochs = fine_tune(&policy, &mut opt, &seqs, &s.optim, 3, &mut Rng::new(0), |_, _, _| steps += 1).unwrap();
+    let epochs =
+        fine_tune(&policy, &mut opt, &seqs, &s.optim, 3, LrSchedule::Cosine, &mut Rng::new(0), |_, _, _| steps += 1)
+            .unwrap();
     let after = nll(&policy, &seqs, s.optim.micro_batch_size).unwrap();
     assert_eq!((epochs.len(), steps), (3, 6));
     assert!(after < before - 0.5, "nll {before} -> {after} (epochs {epochs:?})");

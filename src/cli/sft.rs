@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 
 use super::train::{assignments, utc_stamp};
-use crate::starpo::sft::{sft, Options};
+use crate::starpo::sft::{sft, LrSchedule, Options};
 
 /// Warm-start a model from the env's own solver before RL: supervised fine-tuning on
 /// demonstrations.
@@ -39,6 +39,10 @@ pub struct Args {
     /// optim.lr is RL's and is not used here.
     #[arg(long)]
     pub lr: Option<f64>,
+    /// How the learning rate moves over the steps: cosine (from --lr down to 0; at a constant
+    /// rate the last few mini-batches decide the model's favourite answer) or constant.
+    #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
+    pub lr_schedule: LrSchedule,
     /// First demonstration seed (default: rollout.seed_base, the first training seed).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -80,6 +84,7 @@ pub fn run(args: Args) -> Result<()> {
         episodes: args.episodes,
         epochs: args.epochs,
         lr: args.lr,
+        lr_schedule: args.lr_schedule,
         seed: args.seed,
         heldout: args.heldout,
         out,

@@ -9,7 +9,9 @@
 //!      training: whether the model learns to read states it has not seen, not to recite
 //!   3. epochs × shuffled mini-batches of `optim.mini_batch_size` episodes: the mean negative
 //!      log-likelihood of the answer (assistant) tokens, gradients summed over micro-batches
-//!      (`optim.micro_batch_size`, `optim.checkpoint_layers`), grad-norm clip, AdamW step
+//!      (`optim.micro_batch_size`, `optim.checkpoint_layers`), grad-norm clip, AdamW step at
+//!      the schedule's learning rate (cosine to 0 by default: at a constant rate the last few
+//!      mini-batches decide the model's favourite answer)
 //!   4. the held-out NLL after; adapters merged into the weights; an HF folder that
 //!      `train --model` loads, with sft.json (loss curve, settings, counts) and demos.jsonl
 //!
@@ -56,6 +58,7 @@ pub struct Options {
     pub epochs: usize,
     /// `None`: [`LORA_LR`] or [`FULL_LR`].
     pub lr: Option<f64>,
+    pub lr_schedule: LrSchedule,
     /// First seed; `None`: `rollout.seed_base`.
     pub seed: Option<u64>,
     /// Held-out demonstration episodes (the seeds after the training ones) whose NLL is
@@ -73,6 +76,7 @@ pub struct Summary {
     pub model: String,
     pub out: PathBuf,
     pub lr: f64,
+    pub lr_schedule: LrSchedule,
     pub epochs: usize,
     pub first_seed: u64,
     pub lora_rank: usize,
@@ -94,6 +98,26 @@ pub struct Summary {
     /// Wall-clock seconds of each part: demonstrations, the two NLL passes, training, saving.
     pub phase_seconds: PhaseSeconds,
     pub settings: Settings,
+}
+
+/// The learning rate over the fine-tune's steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// `--lr` at every step.
+    Constant,
+    /// Half a cosine from `--lr` at the first step down to 0 after the last.
+    Cosine,
+}
+
+impl LrSchedule {
+    /// The learning rate of step `step` (0-based) of `total`, from the peak `lr`.
+    pub fn at(self, lr: f64, step: usize, total: usize) -> f64 {
+        match self {
+            LrSchedule::Constant => lr,
+            LrSchedule::Cosine => lr * 0.5 * (1.0 + (std::f64::consts::PI * step as f64 / total.max(1) as f64).cos()),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -164,15 +188,17 @@ pub fn sft(opts: Options) -> Result<Summary> {
     let bar = progress_bar(opts.progress, (opts.epochs * per_epoch) as u64, "sft step");
     let (mut step_loss, mut step_grad_norm) = (Vec::new(), Vec::new());
     let mut optimizer_step = 0u64;
-    let epoch_loss = fine_tune(&policy, &mut opt, &seqs, &s.optim, opts.epochs, &mut rng, |epoch, loss, norm| {
-        optimizer_step += 1;
-        // Adapter dropout draws follow the step.
-        policy.model.dropout_seed.store(optimizer_step << 32, std::sync::atomic::Ordering::Relaxed);
-        step_loss.push(loss);
-        step_grad_norm.push(norm);
-        bar.inc(1);
-        bar.set_message(format!("epoch {}/{} loss {loss:.4}", epoch + 1, opts.epochs));
-    })?;
+    let schedule = opts.lr_schedule;
+    let epoch_loss =
+        fine_tune(&policy, &mut opt, &seqs, &s.optim, opts.epochs, schedule, &mut rng, |epoch, loss, norm| {
+            optimizer_step += 1;
+            // Adapter dropout draws follow the step.
+            policy.model.dropout_seed.store(optimizer_step << 32, std::sync::atomic::Ordering::Relaxed);
+            step_loss.push(loss);
+            step_grad_norm.push(norm);
+            bar.inc(1);
+            bar.set_message(format!("epoch {}/{} loss {loss:.4}", epoch + 1, opts.epochs));
+        })?;
     for (e, l) in epoch_loss.iter().enumerate() {
         bar.println(format!("epoch {}/{}: loss {l:.4}", e + 1, opts.epochs));
     }
@@ -192,6 +218,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
         model,
         out: opts.out.clone(),
         lr,
+        lr_schedule: opts.lr_schedule,
         epochs: opts.epochs,
         first_seed,
         lora_rank: s.lora.rank,
@@ -226,7 +253,8 @@ pub fn summary_dir(out: &Path) -> PathBuf {
 }
 
 /// `epochs` passes over `seqs` in shuffled mini-batches of `s.mini_batch_size`, one AdamW step
-/// each; `on_step(epoch, loss, grad_norm)` after every step. Returns each epoch's loss: the token
+/// each at `schedule`'s rate (from `opt.lr`, the peak); `on_step(epoch, loss, grad_norm)` after
+/// every step. Returns each epoch's loss: the token
 /// mean over its mini-batches, as they were trained.
 pub fn fine_tune(
     policy: &Policy,
@@ -234,16 +262,21 @@ pub fn fine_tune(
     seqs: &[&Packed],
     s: &Optim,
     epochs: usize,
+    schedule: LrSchedule,
     rng: &mut Rng,
     mut on_step: impl FnMut(usize, f64, f64),
 ) -> Result<Vec<f64>> {
     let mut out = Vec::with_capacity(epochs);
+    let (peak, total) = (opt.lr, epochs * seqs.len().div_ceil(s.mini_batch_size.max(1)));
+    let mut taken = 0;
     for epoch in 0..epochs {
         let mut order: Vec<usize> = (0..seqs.len()).collect();
         rng.shuffle(&mut order);
         let (mut sum, mut tokens) = (0.0, 0usize);
         for mb in order.chunks(s.mini_batch_size.max(1)) {
             let batch: Vec<&Packed> = mb.iter().map(|&i| seqs[i]).collect();
+            opt.lr = schedule.at(peak, taken, total);
+            taken += 1;
             let (loss, n, norm) = step(policy, opt, &batch, s)?;
             sum += loss * n as f64;
             tokens += n;
@@ -348,10 +381,11 @@ impl Summary {
             );
         }
         out += &format!(
-            "  training        {} epochs, {} steps, lr {:e}, {}\n",
+            "  training        {} epochs, {} steps, lr {:e} ({:?}), {}\n",
             self.epochs,
             self.step_loss.len(),
             self.lr,
+            self.lr_schedule,
             if self.lora_rank > 0 { format!("LoRA r{} (merged)", self.lora_rank) } else { "full fine-tune".into() }
         );
         for (e, l) in self.epoch_loss.iter().enumerate() {
