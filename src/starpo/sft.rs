@@ -188,9 +188,8 @@ pub fn sft(opts: Options) -> Result<Summary> {
     let bar = progress_bar(opts.progress, (opts.epochs * per_epoch) as u64, "sft step");
     let (mut step_loss, mut step_grad_norm) = (Vec::new(), Vec::new());
     let mut optimizer_step = 0u64;
-    let schedule = opts.lr_schedule;
     let epoch_loss =
-        fine_tune(&policy, &mut opt, &seqs, &s.optim, opts.epochs, schedule, &mut rng, |epoch, loss, norm| {
+        fine_tune(&policy, &mut opt, &seqs, &s.optim, opts.epochs, opts.lr_schedule, &mut rng, |epoch, loss, norm| {
             optimizer_step += 1;
             // Adapter dropout draws follow the step.
             policy.model.dropout_seed.store(optimizer_step << 32, std::sync::atomic::Ordering::Relaxed);
@@ -254,8 +253,8 @@ pub fn summary_dir(out: &Path) -> PathBuf {
 
 /// `epochs` passes over `seqs` in shuffled mini-batches of `s.mini_batch_size`, one AdamW step
 /// each at `schedule`'s rate (from `opt.lr`, the peak); `on_step(epoch, loss, grad_norm)` after
-/// every step. Returns each epoch's loss: the token
-/// mean over its mini-batches, as they were trained.
+/// every step. Returns each epoch's loss: the token mean over its mini-batches, as they were
+/// trained.
 pub fn fine_tune(
     policy: &Policy,
     opt: &mut AdamW,
