@@ -1,8 +1,9 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, rope, token_scores};
-use ragen_lab::policy::model::attention_mask;
+use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, rope, token_scores, tree_softmax};
+use ragen_lab::policy::model::{attention_mask, tree_mask};
+use ragen_lab::policy::tree::PrefixTree;
 use ragen_lab::rng::Rng;
 
 fn random(shape: &[usize], rng: &mut Rng) -> Tensor {
@@ -50,6 +51,34 @@ fn causal_softmax_matches_mask_plus_softmax_in_values_and_gradients() {
         let plain = causal_softmax(x.as_tensor(), offset, starts, false).unwrap();
         assert_eq!(max_abs_diff(&plain, &ours), 0.0);
     }
+}
+
+#[test]
+fn tree_softmax_matches_the_tree_mask_plus_softmax_in_values_and_gradients() {
+    let mut rng = Rng::new(12);
+    // Shared prompts, a copy, branches at several depths, and an unrelated root.
+    let seqs: [&[u32]; 6] =
+        [&[1, 2, 3, 4, 5], &[1, 2, 3, 9], &[1, 2, 3, 4, 5], &[1, 2, 7, 8, 9, 10], &[1, 6], &[4, 4, 4]];
+    let tree = PrefixTree::new(&seqs);
+    let t = tree.len();
+    for h in [1, 3] {
+        let x = Var::from_tensor(&random(&[1, h, t, t], &mut rng)).unwrap();
+        let weights = random(&[1, h, t, t], &mut rng);
+        let ours = tree_softmax(x.as_tensor(), &tree.links, true).unwrap();
+        let mask = tree_mask(&tree.links, &Device::Cpu).unwrap().reshape((1, 1, t, t)).unwrap();
+        let theirs = candle_nn::ops::softmax(&x.as_tensor().broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+        assert!(max_abs_diff(&ours, &theirs) < 1e-6, "values");
+        let g_ours = (&ours * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (&theirs * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let d = max_abs_diff(g_ours.get(x.as_tensor()).unwrap(), g_theirs.get(x.as_tensor()).unwrap());
+        assert!(d < 1e-5, "gradients differ by {d}");
+    }
+    // A chain is the causal case.
+    let chain = PrefixTree::new(&[&[5, 6, 7, 8]]);
+    let x = random(&[1, 2, 4, 4], &mut rng);
+    let d = max_abs_diff(&tree_softmax(&x, &chain.links, false).unwrap(), &causal_softmax(&x, 0, &[0], false).unwrap());
+    assert_eq!(d, 0.0);
+    assert!(tree_softmax(&random(&[2, 1, 4, 4], &mut rng), &chain.links, false).is_err(), "one tree per pass");
 }
 
 #[test]

@@ -544,28 +544,30 @@ fn group(p: &Policy) -> (Vec<Vec<u32>>, usize) {
     (seqs, prompt.len())
 }
 
+/// A group packed as a tree shares more than its prompt: one reply twice (an episode whose
+/// history matches another's) and a second turn on top of a first.
+fn tree_group(p: &Policy) -> (Vec<Vec<u32>>, usize) {
+    let (mut seqs, first_reply) = group(p);
+    seqs.push(seqs[0].clone());
+    seqs.push([seqs[1].clone(), p.encode("<answer>Dragon</answer>").unwrap()].concat());
+    (seqs, first_reply)
+}
+
 #[test]
-fn a_shared_prefix_runs_once_and_scores_and_gradients_are_unchanged() {
+fn a_packed_tree_runs_each_distinct_position_once_with_the_rows_scores_and_gradients() {
     for name in PRESETS {
         let p = load(name);
-        let (seqs, first_reply) = group(&p);
+        let (seqs, first_reply) = tree_group(&p);
         let plain = TokenBatch::new(&seqs, p.pad_id).unwrap();
-        let shared = plain.clone().share_prefix(first_reply);
-        assert_eq!(shared.prefix, first_reply - 1, "{name}: all but the prompt's last token run once");
-        assert!(shared.tokens_computed() < plain.tokens_computed() / 2);
-        // Scores of every reply position are those of the unshared batch.
-        let (a, b) = (p.token_logprobs_no_grad(&plain).unwrap(), p.token_logprobs_no_grad(&shared).unwrap());
-        let keep = |t: &Tensor| t.narrow(1, first_reply, plain.len - first_reply).unwrap();
-        let d = max_abs_diff(&keep(&a.logprobs), &keep(&b.logprobs))
-            .max(max_abs_diff(&keep(&a.entropy), &keep(&b.entropy)));
-        assert!(d < 1e-5, "{name}: shared-prefix scores differ by {d}");
-        let before = b.logprobs.narrow(1, 0, first_reply).unwrap();
-        assert_eq!(
-            before.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(),
-            0.0,
-            "the prompt is not scored"
-        );
-        // A PPO-like loss on the replies only: gradients equal the unshared computation's.
+        let tree = plain.clone().as_tree();
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        assert_eq!(tree.tokens_computed(), ragen_lab::agent::pack::distinct_positions(&refs));
+        assert!(tree.tokens_computed() < plain.tokens_computed() / 3, "{name}: the prompt and the copies run once");
+        // Every position's scores are the rows'.
+        let (a, b) = (p.token_logprobs_no_grad(&plain).unwrap(), p.token_logprobs_no_grad(&tree).unwrap());
+        let d = max_abs_diff(&a.logprobs, &b.logprobs).max(max_abs_diff(&a.entropy, &b.entropy));
+        assert!(d < 1e-5, "{name}: tree scores differ by {d}");
+        // A PPO-like loss on the replies only: gradients equal the rows'.
         let lens: Vec<usize> = seqs.iter().map(Vec::len).collect();
         let mask: Vec<f32> = (0..plain.rows)
             .flat_map(|r| (0..plain.len).map(|t| (t >= first_reply && t < lens[r]) as u8 as f32).collect::<Vec<_>>())
@@ -576,17 +578,35 @@ fn a_shared_prefix_runs_once_and_scores_and_gradients_are_unchanged() {
         };
         let (mut ga, mut gb) = (GradStore::default(), GradStore::default());
         let va = p.loss_and_grads(&plain, loss, &mut ga).unwrap();
-        let vb = p.loss_and_grads(&shared, loss, &mut gb).unwrap();
+        let vb = p.loss_and_grads(&tree, loss, &mut gb).unwrap();
         assert!((va - vb).abs() < 1e-4, "{name}: loss {va} vs {vb}");
         for (n, v) in p.model.named_vars() {
             let d = max_abs_diff(ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap());
-            assert!(d < 1e-5, "{name} {n}: shared-prefix gradient differs by {d}");
+            assert!(d < 1e-5, "{name} {n}: tree gradient differs by {d}");
         }
-        // The critic's values on the replies, too.
+        // The critic's values at every position, too.
         let critic = Critic::from_policy(&p, 3).unwrap();
-        let (va, vb) = (critic.values_no_grad(&plain).unwrap(), critic.values_no_grad(&shared).unwrap());
-        let from = |t: &Tensor| t.narrow(1, first_reply - 1, plain.len - first_reply + 1).unwrap();
-        assert!(max_abs_diff(&from(&va), &from(&vb)) < 1e-5, "{name}: critic values differ");
+        let (va, vb) = (critic.values_no_grad(&plain).unwrap(), critic.values_no_grad(&tree).unwrap());
+        assert!(max_abs_diff(&va, &vb) < 1e-5, "{name}: critic values differ");
+    }
+}
+
+#[test]
+fn score_only_scores_the_trained_positions_and_split_keeps_the_packing() {
+    let p = load("tiny-llama");
+    let (seqs, first_reply) = tree_group(&p);
+    let masks: Vec<Vec<bool>> = seqs.iter().map(|s| (0..s.len()).map(|t| t >= first_reply).collect()).collect();
+    let refs: Vec<&[bool]> = masks.iter().map(Vec::as_slice).collect();
+    let all = TokenBatch::new(&seqs, p.pad_id).unwrap().as_tree();
+    let some = all.clone().score_only(&refs);
+    let (a, b) = (p.token_logprobs_no_grad(&all).unwrap(), p.token_logprobs_no_grad(&some).unwrap());
+    let keep = some.score_mask(&Device::Cpu).unwrap();
+    assert_eq!(max_abs_diff(&(&a.logprobs * &keep).unwrap(), &b.logprobs), 0.0, "scored positions unchanged");
+    let outside = (&b.logprobs * (1.0 - &keep).unwrap()).unwrap().abs().unwrap().sum_all().unwrap();
+    assert_eq!(outside.to_scalar::<f32>().unwrap(), 0.0, "the prompt is not scored");
+    for micro in some.split(2) {
+        assert!(micro.tree.is_some(), "micro-batches stay packed");
+        assert!(micro.tokens_computed() < micro.rows * micro.len);
     }
 }
 
@@ -621,11 +641,10 @@ fn checkpointed_layers_give_the_gradients_of_the_full_graph() {
     for name in PRESETS {
         let mut p = load(name);
         let mut critic = Critic::from_policy(&p, 3).unwrap();
-        let (seqs, first_reply) = group(&p);
+        let (seqs, first_reply) = tree_group(&p);
         let plain = TokenBatch::new(&seqs, p.pad_id).unwrap();
-        let shared = plain.clone().share_prefix(first_reply);
-        assert!(shared.prefix > 0);
-        for b in [&plain, &shared] {
+        let tree = plain.clone().as_tree();
+        for b in [&plain, &tree] {
             p.model.checkpoint_layers = false;
             critic.backbone.checkpoint_layers = false;
             let full = reply_grads(&p, &critic, b, first_reply);
@@ -638,35 +657,12 @@ fn checkpointed_layers_give_the_gradients_of_the_full_graph() {
                 let d = max_abs_diff(a, c);
                 assert!(
                     d <= 1e-5 * scale.max(1.0),
-                    "{name} prefix {} {n}: checkpointed gradient differs by {d}",
-                    b.prefix
+                    "{name} tree {} {n}: checkpointed gradient differs by {d}",
+                    b.tree.is_some()
                 );
             }
         }
     }
-}
-
-#[test]
-fn share_prefix_keeps_what_the_caller_scores_and_declines_when_nothing_is_shared() {
-    let p = load("tiny-llama");
-    let (seqs, first_reply) = group(&p);
-    let b = TokenBatch::new(&seqs, p.pad_id).unwrap();
-    // Scoring from position 3 on: at most 2 tokens could run once, below the minimum.
-    assert_eq!(b.clone().share_prefix(3).prefix, 0);
-    assert_eq!(
-        b.clone().share_prefix(first_reply + 100).prefix,
-        first_reply - 1 + common_reply_prefix(&seqs, first_reply)
-    );
-    let one = TokenBatch::new(&seqs[..1], p.pad_id).unwrap().share_prefix(first_reply);
-    assert_eq!(one.prefix, 0, "a single row shares nothing");
-    for micro in b.clone().share_prefix(first_reply).split(2) {
-        assert_eq!(micro.prefix, first_reply - 1, "micro-batches keep the shared prefix");
-    }
-}
-
-/// Tokens the replies have in common right after the prompt (all start alike or not).
-fn common_reply_prefix(seqs: &[Vec<u32>], from: usize) -> usize {
-    (from..).take_while(|&t| seqs.iter().all(|s| t < s.len() && s[t] == seqs[0][t])).count()
 }
 
 #[test]

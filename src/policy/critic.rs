@@ -13,7 +13,7 @@ use candle_core::{Tensor, Var};
 use serde_json::json;
 
 use super::config::Config;
-use super::logprob::{own_hidden, TokenBatch};
+use super::logprob::TokenBatch;
 use super::lora;
 use super::model::{move_grads, normal, take_grad, Decoder, Mode};
 use super::Policy;
@@ -65,9 +65,10 @@ impl Critic {
     }
 
     /// Values at every position, `[B, T]` (position t: the state after `ids[..=t]`); 0 past a
-    /// row's length and, for a batch that shares a prefix, before its last shared token.
+    /// row's length.
     pub fn values_no_grad(&self, batch: &TokenBatch) -> Result<Tensor> {
-        let (hidden, _) = own_hidden(&self.backbone, batch, Mode::Score)?;
+        let ids = batch.pass_ids(self.backbone.device())?;
+        let hidden = self.backbone.packed_hidden(&ids, batch.links(), Mode::Score)?;
         self.head(batch, &hidden, Mode::Score)
     }
 
@@ -81,8 +82,8 @@ impl Critic {
         grads: &mut GradStore,
     ) -> Result<f32> {
         let (hidden, h_leaf, l, backprop) = phase::timed(Phase::Forward, || -> Result<_> {
-            let ids = batch.own_ids_tensor(self.backbone.device())?;
-            let (hidden, backprop) = self.backbone.train_hidden(&batch.ids[..batch.prefix], &ids)?;
+            let ids = batch.pass_ids(self.backbone.device())?;
+            let (hidden, backprop) = self.backbone.train_hidden(&ids, batch.links())?;
             let h_leaf = Var::from_tensor(&hidden)?;
             let l = loss(&self.head(batch, h_leaf.as_tensor(), Mode::Train)?)?;
             Ok((hidden, h_leaf, l, backprop))
@@ -97,20 +98,11 @@ impl Critic {
         Ok(value)
     }
 
-    /// The value head on the rows' own hidden states `[B, T - prefix, H]`, laid out `[B, T]`.
+    /// The value head on the pass's hidden states `[R, W, H]`, laid out `[B, T]`.
     fn head(&self, batch: &TokenBatch, hidden: &Tensor, mode: Mode) -> Result<Tensor> {
-        let dev = self.backbone.device();
-        let (b, t, p) = (batch.rows, batch.len, batch.prefix);
-        let h = hidden.dim(2)?;
         let (w, bias) = (mode.weight(&self.score_weight), mode.weight(&self.score_bias));
-        let v = hidden.reshape((b * (t - p), h))?.matmul(&w.t()?)?;
-        let mut v = v.broadcast_add(&bias)?.reshape((b, t - p))?;
-        if p > 0 {
-            v = Tensor::cat(&[&Tensor::zeros((b, p), v.dtype(), dev)?, &v], 1)?;
-        }
-        let valid: Vec<f32> =
-            (0..b).flat_map(|r| (0..t).map(move |i| (i >= p && i < batch.lengths[r]) as u8 as f32)).collect();
-        Ok((v * Tensor::from_vec(valid, (b, t), dev)?)?)
+        let v = hidden.flatten_to(1)?.matmul(&w.t()?)?.broadcast_add(&bias)?; // [R*W, 1]
+        batch.per_row(&v.squeeze(1)?)
     }
 
     /// The trainable weights: the backbone's (its adapters' under LoRA) and the value head.

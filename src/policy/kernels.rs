@@ -3,7 +3,8 @@
 //! silently cuts the graph (shared/notes/candle-cpu.md §1).
 //!
 //! - [`causal_softmax`]: the attention mask and the softmax in one pass over the scores; the
-//!   backward keeps only the probabilities.
+//!   backward keeps only the probabilities. [`tree_softmax`]: the same over a packed prefix
+//!   tree, each position seeing its ancestors.
 //! - [`token_scores`]: the log-prob of each row's target token and the entropy of its
 //!   distribution, straight from the logits; the backward keeps only the logits (the composite
 //!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
@@ -19,13 +20,26 @@
 //! Each is tested against the composite ops for values and gradients (tests/kernels.rs).
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
+use std::sync::Arc;
+
+use super::tree::TreeLinks;
 
 /// Softmax over the last axis of attention scores `[B, H, T, L]` (H any number of heads),
 /// restricted to the keys each query may see: query j of batch row b sits at cache position
 /// `offset + j` and sees key s when s ≤ offset + j and s is not padding (s ≥ `starts[b]`), and
 /// always itself. Hidden keys get probability 0. Differentiable when `grad`.
 pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bool) -> Result<Tensor> {
-    let op = CausalSoftmax { offset, starts: starts.to_vec() };
+    masked_softmax(scores, CausalSoftmax { offset, starts: starts.to_vec(), tree: None }, grad)
+}
+
+/// Softmax over the last axis of attention scores `[1, H, T, T]` of one packed prefix tree
+/// (`tree::PrefixTree`): query i sees key j when j is i or one of its ancestors. Differentiable
+/// when `grad`.
+pub fn tree_softmax(scores: &Tensor, links: &Arc<TreeLinks>, grad: bool) -> Result<Tensor> {
+    masked_softmax(scores, CausalSoftmax { offset: 0, starts: vec![0], tree: Some(links.clone()) }, grad)
+}
+
+fn masked_softmax(scores: &Tensor, op: CausalSoftmax, grad: bool) -> Result<Tensor> {
     let scores = scores.contiguous()?;
     if grad {
         scores.apply_op1(op)
@@ -303,6 +317,24 @@ impl CustomOp1 for FrozenProject {
 struct CausalSoftmax {
     offset: usize,
     starts: Vec<usize>,
+    /// One packed prefix tree instead of causal rows.
+    tree: Option<Arc<TreeLinks>>,
+}
+
+/// Softmax of `x` over the key ranges `ranges` into `y` (0 elsewhere, as `y` comes).
+fn softmax_over(x: &[f32], y: &mut [f32], ranges: impl Iterator<Item = (usize, usize)> + Clone) {
+    let max = ranges.clone().flat_map(|(a, b)| x[a..=b].iter().copied()).fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for (a, b) in ranges.clone() {
+        for (o, &v) in y[a..=b].iter_mut().zip(&x[a..=b]) {
+            *o = (v - max).exp();
+            sum += *o;
+        }
+    }
+    let inv = 1.0 / sum;
+    for (a, b) in ranges {
+        y[a..=b].iter_mut().for_each(|o| *o *= inv);
+    }
 }
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
@@ -319,6 +351,17 @@ impl CustomOp1 for CausalSoftmax {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (b, h, t, l) = layout.shape().dims4()?;
+        let x = f32_slice(storage, layout, "causal-softmax")?;
+        let mut y = vec![0f32; x.len()];
+        if let Some(tree) = &self.tree {
+            if b != 1 || t != l || tree.len() != t {
+                candle_core::bail!("tree-softmax: scores {:?} for a tree of {} nodes", layout.shape(), tree.len());
+            }
+            y.par_chunks_mut(l).zip(x.par_chunks(l)).enumerate().for_each(|(r, (y, x))| {
+                softmax_over(x, y, tree.visible(r % t));
+            });
+            return Ok((CpuStorage::F32(y), layout.shape().clone()));
+        }
         if self.starts.len() != b {
             candle_core::bail!("causal-softmax: {} row starts for a batch of {b}", self.starts.len());
         }
@@ -329,21 +372,11 @@ impl CustomOp1 for CausalSoftmax {
                 self.offset + t
             );
         }
-        let x = f32_slice(storage, layout, "causal-softmax")?;
-        let mut y = vec![0f32; x.len()];
         y.par_chunks_mut(l).zip(x.par_chunks(l)).enumerate().for_each(|(r, (y, x))| {
             let q = self.offset + r % t;
-            let start = self.starts[r / (h * t)].min(q);
             // Keys start..=q are visible (padding before `start`; a padding query sees itself).
-            let seen = &x[start..=q];
-            let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for (o, &v) in y[start..=q].iter_mut().zip(seen) {
-                *o = (v - max).exp();
-                sum += *o;
-            }
-            let inv = 1.0 / sum;
-            y[start..=q].iter_mut().for_each(|o| *o *= inv);
+            let start = self.starts[r / (h * t)].min(q);
+            softmax_over(x, y, std::iter::once((start, q)));
         });
         Ok((CpuStorage::F32(y), layout.shape().clone()))
     }

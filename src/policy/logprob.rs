@@ -1,36 +1,38 @@
 //! Scoring packed sequences for training: per-token log-probs of the taken tokens and per-token
 //! entropy, differentiable through the model's training path.
 //!
-//! Memory: the full-vocabulary logits exist only one sequence chunk at a time (at most
-//! `Policy::logit_chunk` floats) and are reduced to `[B, chunk]` at once. With gradients, autograd
+//! Memory: the full-vocabulary logits exist only for one chunk of scored positions at a time (at
+//! most `Policy::logit_chunk` floats) and are reduced to a log-prob and an entropy at once. With gradients, autograd
 //! would keep each chunk's graph until `backward()`, so the trainer calls `loss_and_grads`,
 //! which keeps only one chunk's logits graph alive at a time and adds each micro-batch's
 //! gradients into one store (micro-batches: `TokenBatch::split`). Without
 //! gradients (`token_logprobs_no_grad`: old and reference log-probs) no graph is recorded at all
 //! (`Mode::Score`): every activation is freed as soon as the next op has read it.
 //!
-//! Shared prefixes: a group's trajectories start with the same prompt. A batch whose rows agree
-//! on their first `prefix` tokens (`TokenBatch::share_prefix`) runs those tokens once and the
-//! rows' remainders against their keys and values; forward and backward cost the prefix once
-//! instead of once per row, and the gradients are the same sums. Positions up to `prefix` are
-//! then not scored (0), so a caller shares only tokens it does not train on.
+//! Shared prefixes: a group's trajectories share their prompt, and with a small action space
+//! often several turns of history. A batch packed as a prefix tree (`TokenBatch::as_tree`,
+//! `tree::PrefixTree`) runs every distinct position once, forward and backward, and each row's
+//! scores are read off the nodes on its path; a shared node's gradient is the sum of its rows',
+//! the same sums the rows would give run separately. Only the positions a caller scores
+//! (`TokenBatch::score_only`) go through the output layer, each distinct one once.
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var, D};
 
 use super::kernels;
 use super::model::Mode;
+use super::tree::{PrefixTree, TreeLinks};
 use super::Policy;
 use crate::phase::{self, Phase};
-use crate::policy::model::{move_grads, take_grad, Decoder};
-
-/// Shared prefixes shorter than this run with every row (nothing worth saving).
-const MIN_SHARED_PREFIX: usize = 4;
+use crate::policy::model::{move_grads, take_grad};
 
 /// Default of `Policy::logit_chunk`: most full-vocabulary logits alive at once, 16 M floats = 64 MiB.
 pub const LOGIT_CHUNK: usize = 1 << 24;
 
-/// Right-padded token ids `[B, T]` with each row's real length.
+/// Trajectories to score, right-padded `[rows, len]`, and how a pass runs them: as those rows,
+/// or packed as one prefix tree.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenBatch {
     /// Row-major `[rows, len]`.
@@ -38,72 +40,128 @@ pub struct TokenBatch {
     pub rows: usize,
     pub len: usize,
     pub lengths: Vec<usize>,
-    /// Leading tokens that every row has in common and that run once for all of them
-    /// (0: none). Positions up to and including `prefix` are not scored.
-    pub prefix: usize,
+    /// The rows packed as a prefix tree (`as_tree`); `None`: a pass runs the rows as they are.
+    pub tree: Option<PrefixTree>,
+    /// Row-major `[rows, len]`: the positions whose log-prob and entropy are computed (never
+    /// position 0 or past a row's length).
+    scored: Vec<bool>,
+}
+
+/// The distinct scored positions of a batch: for each, the position (of the pass) whose hidden
+/// state predicts it and its token; and for every row position, its index among them (the
+/// count of them where it is not scored).
+struct Wanted {
+    from: Vec<u32>,
+    target: Vec<u32>,
+    at: Vec<u32>,
 }
 
 impl TokenBatch {
-    /// Pack sequences, padding on the right with `pad_id` to the longest.
+    /// Pack sequences as rows, padding on the right with `pad_id` to the longest; every
+    /// position after the first is scored.
     pub fn new(seqs: &[Vec<u32>], pad_id: u32) -> Result<Self> {
         let len = seqs.iter().map(Vec::len).max().unwrap_or(0);
         if let Some(i) = seqs.iter().position(Vec::is_empty) {
             bail!("sequence {i} is empty");
         }
         let mut ids = Vec::with_capacity(seqs.len() * len);
+        let mut scored = Vec::with_capacity(seqs.len() * len);
         for s in seqs {
             ids.extend_from_slice(s);
             ids.extend(std::iter::repeat_n(pad_id, len - s.len()));
+            scored.extend((0..len).map(|t| t > 0 && t < s.len()));
         }
-        Ok(Self { ids, rows: seqs.len(), len, lengths: seqs.iter().map(Vec::len).collect(), prefix: 0 })
+        Ok(Self { ids, rows: seqs.len(), len, lengths: seqs.iter().map(Vec::len).collect(), tree: None, scored })
     }
 
-    /// Run the rows' common leading tokens once, as far as the scores are not needed: no
-    /// position before `first_scored` is scored afterwards (the caller's first trained
-    /// position, e.g. the first assistant token). Shares nothing for a single row or when the
-    /// rows have too little in common.
-    pub fn share_prefix(mut self, first_scored: usize) -> Self {
-        let row = |r: usize| &self.ids[r * self.len..r * self.len + self.lengths[r]];
-        let mut common = self.lengths.iter().copied().min().unwrap_or(0);
-        for r in 1..self.rows {
-            common = common.min(row(0).iter().zip(row(r)).take_while(|(a, b)| a == b).count());
-        }
-        // The last shared token runs with every row: its hidden state predicts the row's own next token.
-        let prefix = common.min(first_scored).saturating_sub(1);
-        // Every row keeps at least one token to score; below a few tokens sharing saves nothing.
-        if self.rows > 1 && prefix >= MIN_SHARED_PREFIX && self.lengths.iter().all(|&l| l > prefix + 1) {
-            self.prefix = prefix;
+    /// The rows packed as one prefix tree: positions the rows share run once.
+    pub fn as_tree(mut self) -> Self {
+        let seqs: Vec<&[u32]> = (0..self.rows).map(|r| self.row(r)).collect();
+        self.tree = Some(PrefixTree::new(&seqs));
+        self
+    }
+
+    /// Score only the positions `masks[r][t]` holds true (the trained tokens): the rest are
+    /// left at 0 and cost no output-layer work.
+    pub fn score_only(mut self, masks: &[&[bool]]) -> Self {
+        for (r, m) in masks.iter().enumerate().take(self.rows) {
+            for t in 0..self.len {
+                self.scored[r * self.len + t] &= m.get(t).copied().unwrap_or(false);
+            }
         }
         self
     }
 
-    /// Token positions a forward pass computes: the shared prefix once, the rest per row.
+    fn row(&self, r: usize) -> &[u32] {
+        &self.ids[r * self.len..r * self.len + self.lengths[r]]
+    }
+
+    /// Token positions a forward pass computes: the tree's nodes, or every row padded.
     pub fn tokens_computed(&self) -> usize {
-        self.prefix + self.rows * (self.len - self.prefix)
+        self.tree.as_ref().map_or(self.rows * self.len, PrefixTree::len)
     }
 
-    /// The rows' tokens after the shared prefix, `[B, len - prefix]`.
-    pub(crate) fn own_ids_tensor(&self, dev: &Device) -> Result<Tensor> {
-        let n = self.len - self.prefix;
-        let ids: Vec<u32> = (0..self.rows)
-            .flat_map(|r| self.ids[r * self.len + self.prefix..(r + 1) * self.len].iter().copied())
+    /// What a pass runs: the rows `[B, T]` or the tree's tokens `[1, nodes]`.
+    pub(crate) fn pass_ids(&self, dev: &Device) -> Result<Tensor> {
+        Ok(match &self.tree {
+            Some(tree) => Tensor::from_vec(tree.tokens.clone(), (1, tree.len()), dev)?,
+            None => Tensor::from_vec(self.ids.clone(), (self.rows, self.len), dev)?,
+        })
+    }
+
+    /// The tree's links for the attention mask (rows: none).
+    pub(crate) fn links(&self) -> Option<&Arc<TreeLinks>> {
+        self.tree.as_ref().map(|t| &t.links)
+    }
+
+    /// Where row `r`'s position `t` sits in the pass's flattened positions.
+    fn slot(&self, r: usize, t: usize) -> usize {
+        match &self.tree {
+            Some(tree) => tree.nodes[r][t] as usize,
+            None => r * self.len + t,
+        }
+    }
+
+    /// Per-pass-position values `[N]` laid out `[B, T]`, 0 past a row's length.
+    pub(crate) fn per_row(&self, values: &Tensor) -> Result<Tensor> {
+        let n = values.dim(0)?;
+        let index: Vec<u32> = (0..self.rows)
+            .flat_map(|r| (0..self.len).map(move |t| (r, t)))
+            .map(|(r, t)| if t < self.lengths[r] { self.slot(r, t) as u32 } else { n as u32 })
             .collect();
-        Ok(Tensor::from_vec(ids, (self.rows, n), dev)?)
+        lay_out(values, index, (self.rows, self.len))
     }
 
-    pub fn ids_tensor(&self, dev: &Device) -> Result<Tensor> {
-        Ok(Tensor::from_vec(self.ids.clone(), (self.rows, self.len), dev)?)
+    fn wanted(&self) -> Wanted {
+        let mut index = vec![u32::MAX; self.tokens_computed()];
+        let (mut from, mut target) = (Vec::new(), Vec::new());
+        let mut at = vec![u32::MAX; self.rows * self.len];
+        for r in 0..self.rows {
+            for t in 1..self.lengths[r] {
+                if !self.scored[r * self.len + t] {
+                    continue;
+                }
+                let node = self.slot(r, t);
+                if index[node] == u32::MAX {
+                    index[node] = from.len() as u32;
+                    from.push(self.slot(r, t - 1) as u32);
+                    target.push(self.ids[r * self.len + t]);
+                }
+                at[r * self.len + t] = index[node];
+            }
+        }
+        at.iter_mut().filter(|a| **a == u32::MAX).for_each(|a| *a = from.len() as u32);
+        Wanted { from, target, at }
     }
 
-    /// `[B, T]` f32: 1 where a position is scored (prefix < t < length; prefix 0: 0 < t), else 0.
+    /// `[B, T]` f32: 1 where a position is scored, else 0.
     pub fn score_mask(&self, dev: &Device) -> Result<Tensor> {
-        let m: Vec<f32> = (0..self.rows)
-            .flat_map(|r| (0..self.len).map(move |t| (t > self.prefix && t < self.lengths[r]) as u8 as f32))
-            .collect();
+        let m: Vec<f32> = self.scored.iter().map(|&s| s as u8 as f32).collect();
         Ok(Tensor::from_vec(m, (self.rows, self.len), dev)?)
     }
 
-    /// Micro-batches of at most `rows` rows, each trimmed to its own longest row.
+    /// Micro-batches of at most `rows` rows, each trimmed to its own longest row, packed as
+    /// this batch is.
     pub fn split(&self, rows: usize) -> Vec<TokenBatch> {
         let rows = rows.max(1);
         (0..self.rows)
@@ -111,31 +169,41 @@ impl TokenBatch {
             .map(|r0| {
                 let r1 = (r0 + rows).min(self.rows);
                 let len = self.lengths[r0..r1].iter().copied().max().unwrap_or(0);
+                let pick = |v: &[bool]| -> Vec<bool> {
+                    (r0..r1).flat_map(|r| v[r * self.len..r * self.len + len].iter().copied()).collect()
+                };
                 let ids = (r0..r1).flat_map(|r| self.ids[r * self.len..r * self.len + len].iter().copied()).collect();
-                TokenBatch { ids, rows: r1 - r0, len, lengths: self.lengths[r0..r1].to_vec(), prefix: self.prefix }
+                let part = TokenBatch {
+                    ids,
+                    rows: r1 - r0,
+                    len,
+                    lengths: self.lengths[r0..r1].to_vec(),
+                    tree: None,
+                    scored: pick(&self.scored),
+                };
+                if self.tree.is_some() {
+                    part.as_tree()
+                } else {
+                    part
+                }
             })
             .collect()
     }
 }
 
-/// Per-position scores, `[B, T]`: position t scores `ids[t]` given `ids[..t]`. Position 0 and
-/// positions at or past a row's length hold 0.
+/// `values` `[K]` picked by `index` (K picks a 0) into `shape`.
+fn lay_out(values: &Tensor, index: Vec<u32>, shape: (usize, usize)) -> Result<Tensor> {
+    let zero = Tensor::zeros(1, values.dtype(), values.device())?;
+    let padded = Tensor::cat(&[values, &zero], 0)?;
+    let index = Tensor::from_vec(index, shape.0 * shape.1, values.device())?;
+    Ok(padded.index_select(&index, 0)?.reshape(shape)?)
+}
+
+/// Per-position scores, `[B, T]`: position t scores `ids[t]` given `ids[..t]`. Unscored
+/// positions (position 0, past a row's length, outside `score_only`) hold 0.
 pub struct Scored {
     pub logprobs: Tensor,
     pub entropy: Tensor,
-}
-
-/// The final hidden states of each row's own tokens (those after the shared prefix, which runs
-/// once) and those tokens: `[B, S, H]` and `[B, S]`, S = len - prefix.
-pub(crate) fn own_hidden(model: &Decoder, batch: &TokenBatch, mode: Mode) -> Result<(Tensor, Tensor)> {
-    let ids = batch.own_ids_tensor(model.device())?;
-    let hidden = if batch.prefix == 0 {
-        model.hidden(&ids, &vec![0; batch.rows], None, mode)?
-    } else {
-        let prefix = model.prefix(&batch.ids[..batch.prefix], mode)?;
-        model.hidden_after(&prefix, &ids, mode)?
-    };
-    Ok((hidden, ids))
 }
 
 impl Policy {
@@ -150,59 +218,54 @@ impl Policy {
     }
 
     fn score(&self, batch: &TokenBatch, detach: bool) -> Result<Scored> {
-        let mask = batch.score_mask(self.device())?;
-        if batch.len < batch.prefix + 2 {
-            return Ok(Scored { logprobs: mask.zeros_like()?, entropy: mask.zeros_like()? });
-        }
         let mode = if detach { Mode::Score } else { Mode::Train };
-        let (hidden, ids) = own_hidden(&self.model, batch, mode)?;
-        let (mut lps, mut ents) = (vec![], vec![]);
-        for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(&hidden, &ids, s, c, !detach)?;
-            lps.push(lp);
-            ents.push(ent);
-        }
-        self.assemble(batch, &mask, lps, ents)
+        let hidden = self.model.packed_hidden(&batch.pass_ids(self.device())?, batch.links(), mode)?;
+        let hidden = hidden.flatten_to(1)?; // [N, H]
+        let want = batch.wanted();
+        let (lp, ent) = self.wanted_scores(&hidden, &want, 0..want.from.len(), !detach)?;
+        let shape = (batch.rows, batch.len);
+        Ok(Scored { logprobs: lay_out(&lp, want.at.clone(), shape)?, entropy: lay_out(&ent, want.at, shape)? })
     }
 
-    /// Chunk scores (over the own tokens' predicting positions) laid out as `[B, len]`.
-    fn assemble(
+    /// Ranges of the wanted positions, sized so one range's logits hold at most
+    /// `Policy::logit_chunk` floats.
+    fn chunks(&self, wanted: usize) -> Vec<std::ops::Range<usize>> {
+        let chunk = (self.logit_chunk / self.model.cfg.vocab_size.max(1)).max(1);
+        (0..wanted).step_by(chunk).map(|s| s..(s + chunk).min(wanted)).collect()
+    }
+
+    /// Log-prob and entropy `[k]` of the wanted positions `range`, chunk by chunk, from the
+    /// pass's hidden states `[N, H]`; with a graph through the output weights when `grad`.
+    fn wanted_scores(
         &self,
-        batch: &TokenBatch,
-        mask: &Tensor,
-        mut lps: Vec<Tensor>,
-        mut ents: Vec<Tensor>,
-    ) -> Result<Scored> {
-        // Positions up to the prefix's last token predict nothing here.
-        let first = mask.narrow(1, 0, batch.prefix + 1)?.zeros_like()?;
-        lps.insert(0, first.clone());
-        ents.insert(0, first);
-        Ok(Scored { logprobs: (Tensor::cat(&lps, 1)? * mask)?, entropy: (Tensor::cat(&ents, 1)? * mask)? })
-    }
-
-    /// `(start, len)` of the sequence chunks over the predicting positions of the rows' own
-    /// tokens, sized so one chunk's logits hold at most `Policy::logit_chunk` floats.
-    fn chunks(&self, batch: &TokenBatch) -> Vec<(usize, usize)> {
-        let n = (batch.len - batch.prefix).saturating_sub(1);
-        let chunk = (self.logit_chunk / (batch.rows * self.model.cfg.vocab_size).max(1)).max(1);
-        (0..n).step_by(chunk).map(|s| (s, chunk.min(n - s))).collect()
-    }
-
-    /// Log-prob of the next token and entropy at positions `s..s+c`, each `[B, c]`; with a
-    /// graph through the output weights when `grad`.
-    fn chunk_scores(&self, hidden: &Tensor, ids: &Tensor, s: usize, c: usize, grad: bool) -> Result<(Tensor, Tensor)> {
-        let (b, _, h) = hidden.dims3()?;
-        let hc = hidden.narrow(1, s, c)?.reshape((b * c, h))?;
-        let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
-        let tgt = ids.narrow(1, s + 1, c)?.contiguous()?.reshape((b * c, 1))?; // what position t predicts: ids[t+1]
-        if logits.device().is_cpu() {
-            let both = kernels::token_scores(&logits, &tgt.flatten_all()?.to_vec1::<u32>()?, grad)?; // [B*c, 2]
-            return Ok((both.narrow(1, 0, 1)?.reshape((b, c))?, both.narrow(1, 1, 1)?.reshape((b, c))?));
+        hidden: &Tensor,
+        want: &Wanted,
+        range: std::ops::Range<usize>,
+        grad: bool,
+    ) -> Result<(Tensor, Tensor)> {
+        let dev = hidden.device();
+        if range.is_empty() {
+            let none = Tensor::zeros(0, candle_core::DType::F32, dev)?;
+            return Ok((none.clone(), none));
         }
-        let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [B*c, V]
-        let lp = logp.gather(&tgt, 1)?.reshape((b, c))?;
-        let ent = (logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?.reshape((b, c))?;
-        Ok((lp, ent))
+        let (mut lps, mut ents) = (vec![], vec![]);
+        for c in self.chunks(range.len()).into_iter().map(|c| c.start + range.start..c.end + range.start) {
+            let from = Tensor::from_vec(want.from[c.clone()].to_vec(), c.len(), dev)?;
+            let hc = hidden.index_select(&from, 0)?; // [c, H]
+            let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
+            let targets = &want.target[c.clone()];
+            if logits.device().is_cpu() {
+                let both = kernels::token_scores(&logits, targets, grad)?; // [c, 2]
+                lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
+                ents.push(both.narrow(1, 1, 1)?.squeeze(1)?);
+                continue;
+            }
+            let tgt = Tensor::from_vec(targets.to_vec(), (c.len(), 1), dev)?;
+            let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [c, V]
+            lps.push(logp.gather(&tgt, 1)?.squeeze(1)?);
+            ents.push((logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?);
+        }
+        Ok((Tensor::cat(&lps, 0)?, Tensor::cat(&ents, 0)?))
     }
 
     /// `loss(scores)`, its gradients of every weight added into `grads` (gradient accumulation
@@ -218,38 +281,41 @@ impl Policy {
         grads: &mut GradStore,
     ) -> Result<f32> {
         let forward_start = std::time::Instant::now();
-        let mask = batch.score_mask(self.device())?;
-        let ids = batch.own_ids_tensor(self.device())?;
-        let (hidden, backprop) = self.model.train_hidden(&batch.ids[..batch.prefix], &ids)?; // [B, S, H]
-        let h_leaf = Var::from_tensor(&hidden)?;
+        let dev = self.device();
+        let (hidden, backprop) = self.model.train_hidden(&batch.pass_ids(dev)?, batch.links())?; // [R, W, H]
+        let pass_shape = hidden.shape().clone();
+        let h_leaf = Var::from_tensor(&hidden.flatten_to(1)?)?;
         // 1. Scores without a graph, as leaves the loss can be differentiated against.
-        let (mut lps, mut ents) = (vec![], vec![]);
-        for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(&h_leaf.as_tensor().detach(), &ids, s, c, false)?;
-            lps.push(lp);
-            ents.push(ent);
-        }
-        let scored = self.assemble(batch, &mask, lps, ents)?;
-        let lp_leaf = Var::from_tensor(&scored.logprobs)?;
-        let ent_leaf = Var::from_tensor(&scored.entropy)?;
+        let want = batch.wanted();
+        let n = want.from.len();
+        let (lp, ent) = self.wanted_scores(&h_leaf.as_tensor().detach(), &want, 0..n, false)?;
+        let shape = (batch.rows, batch.len);
+        let lp_leaf = Var::from_tensor(&lay_out(&lp, want.at.clone(), shape)?)?;
+        let ent_leaf = Var::from_tensor(&lay_out(&ent, want.at.clone(), shape)?)?;
         let l = loss(&Scored { logprobs: lp_leaf.as_tensor().clone(), entropy: ent_leaf.as_tensor().clone() })?;
         let value = l.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?;
         phase::add_seconds(Phase::Forward, forward_start.elapsed().as_secs_f64());
         let backward_start = std::time::Instant::now();
         let g = l.backward()?;
-        let zeros = mask.zeros_like()?;
-        let g_lp = (g.get(lp_leaf.as_tensor()).unwrap_or(&zeros) * &mask)?;
-        let g_ent = (g.get(ent_leaf.as_tensor()).unwrap_or(&zeros) * &mask)?;
+        // Each wanted position's gradient: the sum over the row positions that read it (the
+        // extra slot n collects the unscored ones and is dropped).
+        let at = Tensor::from_vec(want.at.clone(), want.at.len(), dev)?;
+        let per_wanted = |leaf: &Var| -> Result<Tensor> {
+            let zeros = Tensor::zeros(n + 1, candle_core::DType::F32, dev)?;
+            Ok(match g.get(leaf.as_tensor()) {
+                Some(gr) => zeros.index_add(&at, &gr.flatten_all()?, 0)?.narrow(0, 0, n)?,
+                None => zeros.narrow(0, 0, n)?,
+            })
+        };
+        let (g_lp, g_ent) = (per_wanted(&lp_leaf)?, per_wanted(&ent_leaf)?);
         drop(g);
         // 2. Chunk by chunk: d loss / d hidden and d loss / d lm_head.
         let head = self.model.lm_head.as_ref().unwrap_or(&self.model.embed_tokens);
         let mut grad_h = h_leaf.as_tensor().zeros_like()?;
-        for (s, c) in self.chunks(batch) {
-            let (lp, ent) = self.chunk_scores(h_leaf.as_tensor(), &ids, s, c, true)?;
-            // Own-token chunk position s + i scores batch position prefix + 1 + s + i.
-            let at = batch.prefix + 1 + s;
-            let surrogate =
-                ((lp * g_lp.narrow(1, at, c)?)?.sum_all()? + (ent * g_ent.narrow(1, at, c)?)?.sum_all()?)?;
+        for c in self.chunks(n) {
+            let (lp, ent) = self.wanted_scores(h_leaf.as_tensor(), &want, c.clone(), true)?;
+            let (glp, gent) = (g_lp.narrow(0, c.start, c.len())?, g_ent.narrow(0, c.start, c.len())?);
+            let surrogate = ((lp * glp)?.sum_all()? + (ent * gent)?.sum_all()?)?;
             let mut gs = surrogate.backward()?;
             if let Some(gh) = take_grad(&mut gs, h_leaf.as_tensor()) {
                 grad_h = (grad_h + gh)?;
@@ -257,7 +323,7 @@ impl Policy {
             move_grads(grads, gs, [head])?;
         }
         // 3. Once through the model from the hidden states.
-        backprop.backward(&self.model, &grad_h, grads)?;
+        backprop.backward(&self.model, &grad_h.reshape(pass_shape)?, grads)?;
         phase::add_seconds(Phase::Backward, backward_start.elapsed().as_secs_f64());
         Ok(value)
     }

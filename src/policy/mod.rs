@@ -33,6 +33,7 @@ pub mod preset;
 pub mod resolve;
 pub mod sample;
 pub mod tokenizer;
+pub mod tree;
 
 pub use chat::{ChatTemplate, ChatTokens, Message};
 

@@ -9,20 +9,24 @@
 //!   intermediate is freed as soon as the next op has read it (old and reference log-probs).
 //! - `Mode::Sample`: fused no-grad kernels on detached weights and a pre-allocated `KvCache`.
 //!
-//! Rows that continue one shared prefix (a group's common prompt) can run it once: `prefix`
-//! computes its keys and values (with their graph in Train mode) and `hidden_after` runs the
-//! rows' own tokens against them, so the prefix's gradient is the sum over the rows, exactly.
-//!
-//! Rows carry their own positions: `starts[b]` is the index of row b's first real token, so a
-//! left-padded row's first token sits at RoPE position 0 and its padding is masked out of
-//! attention. Right padding needs no mask beyond causality (starts are 0). No file I/O here.
+//! Tokens come in one of two orders ([`Order`]). Rows carry their own positions: `starts[b]` is
+//! the index of row b's first real token, so a left-padded row's first token sits at RoPE
+//! position 0 and its padding is masked out of attention; right padding needs no mask beyond
+//! causality (starts are 0). A packed prefix tree (`tree::PrefixTree`, training and scoring) is
+//! one row whose tokens sit at their depth and see their ancestors only: every distinct
+//! position of a group's trajectories runs once, and a shared position's gradient is the sum of
+//! its children's, exactly. Sampling can still run a prompt's shared prefix once (`prefix`) and
+//! copy its keys and values into each row's cache. No file I/O here.
 use anyhow::{bail, Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 
+use std::sync::Arc;
+
 use super::config::Config;
 use super::kernels;
 use super::lora::{Adapter, LoraConfig};
+use super::tree::TreeLinks;
 use crate::rng::Rng;
 
 /// Which ops the forward pass uses and whether it records a graph (see the module doc).
@@ -361,9 +365,8 @@ impl KvCache {
     }
 }
 
-/// Keys and values of one shared prefix row, per layer `[1, n_kv, P, head_dim]`, for rows that
-/// continue it (`Decoder::hidden_after`). Built in Train mode they carry their graph, so the
-/// gradient of every continuing row flows back through the prefix.
+/// Keys and values of one prefix row, per layer `[1, n_kv, P, head_dim]`, copied into the
+/// cache rows that continue it (a prompt shared by several rows, or a row's earlier turn).
 pub struct SharedPrefix {
     layers: Vec<(Tensor, Tensor)>,
     len: usize,
@@ -389,8 +392,15 @@ enum Past<'a> {
     None,
     /// Written into in place (sampling).
     Cache(&'a mut KvCache),
-    /// Concatenated in front of every row's own keys and values (differentiable).
-    Prefix(&'a SharedPrefix),
+}
+
+/// How the tokens of a pass are laid out and which earlier ones each sees.
+#[derive(Clone, Copy)]
+pub enum Order<'a> {
+    /// Rows, each causal from its first real token `starts[b]` (left padding before it).
+    Rows(&'a [usize]),
+    /// One row holding a packed prefix tree: each token at its depth, seeing its ancestors.
+    Tree(&'a Arc<TreeLinks>),
 }
 
 /// `(name, shape)` of every weight in HF naming and order.
@@ -534,35 +544,35 @@ impl Decoder {
             Some(c) => Past::Cache(c),
             None => Past::None,
         };
-        self.forward(ids, starts, past, None, mode)
+        self.forward(ids, Order::Rows(starts), past, None, mode)
+    }
+
+    /// The final hidden states of right-padded rows (`tree: None`) or of one packed prefix
+    /// tree (`ids` `[1, nodes]`), without a cache.
+    /// # Shapes
+    /// ids: [B, T] u32 → [B, T, H]
+    pub fn packed_hidden(&self, ids: &Tensor, tree: Option<&Arc<TreeLinks>>, mode: Mode) -> Result<Tensor> {
+        let zeros = vec![0; ids.dim(0)?];
+        self.forward(ids, order(tree, &zeros), Past::None, None, mode)
     }
 
     /// Run a prefix shared by several rows once (one row, positions 0..P) and keep its keys and
-    /// values for `hidden_after`.
+    /// values for their caches.
     pub fn prefix(&self, ids: &[u32], mode: Mode) -> Result<SharedPrefix> {
         if ids.is_empty() {
             bail!("a shared prefix needs at least one token");
         }
         let x = Tensor::from_vec(ids.to_vec(), (1, ids.len()), self.device())?;
         let mut layers = Vec::with_capacity(self.layers.len());
-        self.forward(&x, &[0], Past::None, Some(&mut layers), mode)?;
+        self.forward(&x, Order::Rows(&[0]), Past::None, Some(&mut layers), mode)?;
         Ok(SharedPrefix { layers, len: ids.len() })
-    }
-
-    /// Hidden states of rows that continue `prefix`: row b's token j sits at position P + j and
-    /// attends to the whole prefix and to its own tokens up to j. Rows are right-padded.
-    /// # Shapes
-    /// ids: [B, T] u32 → [B, T, H]
-    pub fn hidden_after(&self, prefix: &SharedPrefix, ids: &Tensor, mode: Mode) -> Result<Tensor> {
-        let b = ids.dim(0)?;
-        self.forward(ids, &vec![0; b], Past::Prefix(prefix), None, mode)
     }
 
     /// The decoder stack. `record` collects each layer's (roped) keys and values of `ids`.
     fn forward(
         &self,
         ids: &Tensor,
-        starts: &[usize],
+        order: Order<'_>,
         mut past: Past<'_>,
         mut record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
@@ -571,7 +581,6 @@ impl Decoder {
         let offset = match &past {
             Past::None => 0,
             Past::Cache(c) => c.len,
-            Past::Prefix(p) => p.len,
         };
         if let Past::Cache(c) = &past {
             if offset + t > c.capacity {
@@ -579,13 +588,12 @@ impl Decoder {
             }
         }
         let seed = (mode == Mode::Train).then(|| self.next_dropout_seed());
-        let pass = self.pass(b, t, offset, starts, seed)?;
+        let pass = self.pass(b, t, offset, order, seed)?;
         let mut x = self.embed(ids, mode)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let kv = match &mut past {
                 Past::None => LayerPast::None,
                 Past::Cache(c) => LayerPast::Cache(&c.layers[l], offset),
-                Past::Prefix(p) => LayerPast::Prefix(&p.layers[l]),
             };
             x = self.block(layer, &x, &pass, kv, record.as_deref_mut(), mode)?;
         }
@@ -613,17 +621,25 @@ impl Decoder {
         b: usize,
         t: usize,
         offset: usize,
-        starts: &'a [usize],
+        order: Order<'a>,
         dropout_seed: Option<u64>,
     ) -> Result<Pass<'a>> {
-        if starts.len() != b {
-            bail!("{} row starts for a batch of {b}", starts.len());
+        match order {
+            Order::Rows(starts) if starts.len() != b => bail!("{} row starts for a batch of {b}", starts.len()),
+            Order::Tree(links) if b != 1 || offset != 0 || links.len() != t => {
+                bail!("a tree of {} nodes run as {b} rows of {t} after {offset}", links.len())
+            }
+            _ => {}
         }
         let dev = self.device();
-        let (cos, sin) = self.rope_tables(b, t, offset, starts, dev)?;
+        let (cos, sin) = self.rope_tables(b, t, offset, order, dev)?;
         // On the CPU the mask is applied inside the fused softmax; elsewhere it is a tensor.
-        let mask = if dev.is_cpu() { None } else { Some(attention_mask(b, t, offset, starts, dev)?) };
-        Ok(Pass { b, t, kv_len: offset + t, starts, cos, sin, mask, dropout_seed })
+        let mask = match (dev.is_cpu(), order) {
+            (true, _) => None,
+            (false, Order::Rows(starts)) => Some(attention_mask(b, t, offset, starts, dev)?),
+            (false, Order::Tree(links)) => Some(tree_mask(links, dev)?),
+        };
+        Ok(Pass { b, t, kv_len: offset + t, order, cos, sin, mask, dropout_seed })
     }
 
     /// How the decoder's own weights are read in `mode`: frozen (detached) while it has adapters.
@@ -671,37 +687,30 @@ impl Decoder {
         Ok((x + mlp)?)
     }
 
-    /// Final hidden states `[B, T, H]` of a training pass over `ids` (continuing the shared
-    /// `prefix` ids when not empty), without a graph, and the way back into the weights.
-    /// With `checkpoint_layers` only each layer's input is kept (a few MB per layer instead of
-    /// every activation) and the backward pass recomputes one layer at a time.
-    pub fn train_hidden(&self, prefix: &[u32], ids: &Tensor) -> Result<(Tensor, Backprop)> {
-        if !self.checkpoint_layers {
-            let hidden = if prefix.is_empty() {
-                self.hidden(ids, &vec![0; ids.dim(0)?], None, Mode::Train)?
-            } else {
-                self.hidden_after(&self.prefix(prefix, Mode::Train)?, ids, Mode::Train)?
-            };
-            return Ok((hidden.detach(), Backprop::Graph(hidden)));
-        }
+    /// Final hidden states `[B, T, H]` of a training pass over `ids` (rows, or one packed prefix
+    /// tree), without a graph, and the way back into the weights. With `checkpoint_layers` only
+    /// each layer's input is kept (a few MB per layer instead of every activation) and the
+    /// backward pass recomputes one layer at a time.
+    pub fn train_hidden(&self, ids: &Tensor, tree: Option<&Arc<TreeLinks>>) -> Result<(Tensor, Backprop)> {
         let (b, t) = ids.dims2()?;
         let zeros = vec![0; b];
-        // Seeds in the order the unchecked path draws them (the prefix's pass first).
-        let prefix_seed = if prefix.is_empty() { 0 } else { self.next_dropout_seed() };
-        let seeds = [self.next_dropout_seed(), prefix_seed];
-        let rows_pass = self.pass(b, t, prefix.len(), &zeros, Some(seeds[0]))?;
-        let prefix_ids = Tensor::from_vec(prefix.to_vec(), (1, prefix.len()), self.device())?;
-        let prefix_pass = self.pass(1, prefix.len(), 0, &[0], Some(seeds[1]))?;
+        if !self.checkpoint_layers {
+            let hidden = self.forward(ids, order(tree, &zeros), Past::None, None, Mode::Train)?;
+            return Ok((hidden.detach(), Backprop::Graph(hidden)));
+        }
+        // One dropout seed, drawn where the unchecked path draws it.
+        let seed = self.next_dropout_seed();
+        let pass = self.pass(b, t, 0, order(tree, &zeros), Some(seed))?;
         let mut x = self.embed(ids, Mode::Score)?;
-        let mut xp = if prefix.is_empty() { None } else { Some(self.embed(&prefix_ids, Mode::Score)?) };
         let mut inputs = Vec::with_capacity(self.layers.len() + 1);
         for layer in &self.layers {
-            let (y, yp) = self.block_after_prefix(layer, &x, xp.as_ref(), (&rows_pass, &prefix_pass), Mode::Score)?;
-            inputs.push((std::mem::replace(&mut x, y), std::mem::replace(&mut xp, yp)));
+            let y = self.block(layer, &x, &pass, LayerPast::None, None, Mode::Score)?;
+            inputs.push(std::mem::replace(&mut x, y));
         }
         let hidden = self.final_norm(&x, b, t, Mode::Score)?;
-        inputs.push((x, None)); // the prefix's final hidden states are not used
-        Ok((hidden, Backprop::Checkpointed(Checkpoints { ids: ids.clone(), prefix_ids, inputs, seeds })))
+        inputs.push(x);
+        let ck = Checkpoints { ids: ids.clone(), tree: tree.cloned(), inputs, seed };
+        Ok((hidden, Backprop::Checkpointed(ck)))
     }
 
     /// Add into `grads` the gradients of every weight for `Σ grad · hidden`, recomputing layer
@@ -709,73 +718,35 @@ impl Decoder {
     /// upstream gradient.
     fn backward_checkpointed(&self, ck: Checkpoints, grad: &Tensor, grads: &mut GradStore) -> Result<()> {
         let (b, t) = ck.ids.dims2()?;
-        let p = ck.prefix_ids.dim(1)?;
         let zeros = vec![0; b];
-        let rows_pass = self.pass(b, t, p, &zeros, Some(ck.seeds[0]))?;
-        let prefix_pass = self.pass(1, p, 0, &[0], Some(ck.seeds[1]))?;
+        let pass = self.pass(b, t, 0, order(ck.tree.as_ref(), &zeros), Some(ck.seed))?;
         let mut inputs = ck.inputs;
-        let (x_last, _) = inputs.pop().context("no layer inputs")?;
+        let x_last = inputs.pop().context("no layer inputs")?;
         let x = Var::from_tensor(&x_last)?;
         let mut top = (self.final_norm(x.as_tensor(), b, t, Mode::Train)? * grad)?.sum_all()?.backward()?;
         let mut g = take_grad(&mut top, x.as_tensor()).context("no gradient reached the last layer")?;
         move_grads(grads, top, [&self.norm])?;
-        let mut gp: Option<Tensor> = None;
-        for (layer, (x_in, xp_in)) in self.layers.iter().zip(inputs).rev() {
+        for (layer, x_in) in self.layers.iter().zip(inputs).rev() {
             let x = Var::from_tensor(&x_in)?;
-            let xp = xp_in.as_ref().map(Var::from_tensor).transpose()?;
-            let passes = (&rows_pass, &prefix_pass);
-            let (y, yp) =
-                self.block_after_prefix(layer, x.as_tensor(), xp.as_ref().map(Var::as_tensor), passes, Mode::Train)?;
-            let mut surrogate = (y * &g)?.sum_all()?;
-            if let (Some(yp), Some(gp)) = (&yp, &gp) {
-                surrogate = (surrogate + (yp * gp)?.sum_all()?)?;
-            }
-            let mut layer_grads = surrogate.backward()?;
+            let y = self.block(layer, x.as_tensor(), &pass, LayerPast::None, None, Mode::Train)?;
+            let mut layer_grads = (y * &g)?.sum_all()?.backward()?;
             g = take_grad(&mut layer_grads, x.as_tensor()).map_or_else(|| x.as_tensor().zeros_like(), Ok)?;
-            gp = match &xp {
-                Some(xp) => {
-                    Some(take_grad(&mut layer_grads, xp.as_tensor()).map_or_else(|| xp.as_tensor().zeros_like(), Ok)?)
-                }
-                None => None,
-            };
             move_grads(grads, layer_grads, layer.all_vars())?;
         }
         if self.lora.is_some() {
             return Ok(()); // the embedding is frozen
         }
-        let mut surrogate = (self.embed(&ck.ids, Mode::Train)? * g)?.sum_all()?;
-        if let Some(gp) = gp {
-            surrogate = (surrogate + (self.embed(&ck.prefix_ids, Mode::Train)? * gp)?.sum_all()?)?;
-        }
+        let surrogate = (self.embed(&ck.ids, Mode::Train)? * g)?.sum_all()?;
         move_grads(grads, surrogate.backward()?, [&self.embed_tokens])
     }
 
-    /// One layer over the rows `x` and, when they continue a shared prefix, over the prefix's
-    /// states `xp` first, whose keys and values the rows attend to. Returns (rows, prefix).
-    fn block_after_prefix(
-        &self,
-        layer: &Layer,
-        x: &Tensor,
-        xp: Option<&Tensor>,
-        (rows_pass, prefix_pass): (&Pass<'_>, &Pass<'_>),
-        mode: Mode,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let mut kv = Vec::with_capacity(1);
-        let yp = match xp {
-            Some(xp) => Some(self.block(layer, xp, prefix_pass, LayerPast::None, Some(&mut kv), mode)?),
-            None => None,
-        };
-        let past = kv.first().map_or(LayerPast::None, LayerPast::Prefix);
-        Ok((self.block(layer, x, rows_pass, past, None, mode)?, yp))
-    }
-
-    /// cos/sin of each row's own positions, `[B, T, head_dim/2]`, computed in f32 as HF does.
+    /// cos/sin of each token's own position, `[B, T, head_dim/2]`, computed in f32 as HF does.
     fn rope_tables(
         &self,
         b: usize,
         t: usize,
         offset: usize,
-        starts: &[usize],
+        order: Order<'_>,
         dev: &Device,
     ) -> Result<(Tensor, Tensor)> {
         let half = self.cfg.head_dim / 2;
@@ -784,14 +755,17 @@ impl Decoder {
             .collect();
         let mut cos = Vec::with_capacity(b * t * half);
         let mut sin = Vec::with_capacity(b * t * half);
-        for &start in starts {
-            for j in 0..t {
-                let pos = (offset + j).saturating_sub(start) as f32;
-                for f in &inv_freq {
-                    let a = pos * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
+        let positions: Vec<usize> = match order {
+            Order::Rows(starts) => {
+                starts.iter().flat_map(|&s| (0..t).map(move |j| (offset + j).saturating_sub(s))).collect()
+            }
+            Order::Tree(links) => links.depth.iter().map(|&d| d as usize).collect(),
+        };
+        for pos in positions {
+            for f in &inv_freq {
+                let a = pos as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
             }
         }
         Ok((Tensor::from_vec(cos, (b, t, half), dev)?, Tensor::from_vec(sin, (b, t, half), dev)?))
@@ -808,7 +782,7 @@ impl Decoder {
         record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
-        let Pass { b, t, kv_len, starts, ref cos, ref sin, ref mask, .. } = *pass;
+        let Pass { b, t, kv_len, order, ref cos, ref sin, ref mask, .. } = *pass;
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let group = nh / nkv;
@@ -828,12 +802,6 @@ impl Decoder {
                 cv.slice_set(&v, 2, offset)?;
                 (ck.narrow(2, 0, kv_len)?, cv.narrow(2, 0, kv_len)?)
             }
-            LayerPast::Prefix((pk, pv)) => {
-                let p = pk.dim(2)?;
-                let pk = pk.broadcast_as((b, nkv, p, hd))?.contiguous()?;
-                let pv = pv.broadcast_as((b, nkv, p, hd))?.contiguous()?;
-                (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?)
-            }
             LayerPast::None => (k, v),
         };
         // Grouped-query attention without copying K/V per head: the `group` query heads that
@@ -844,7 +812,10 @@ impl Decoder {
         let probs = match mask {
             None => {
                 let scores = scores.reshape((b, nkv * group, t, kv_len))?;
-                kernels::causal_softmax(&scores, kv_len - t, starts, mode == Mode::Train)?
+                match order {
+                    Order::Rows(starts) => kernels::causal_softmax(&scores, kv_len - t, starts, mode == Mode::Train)?,
+                    Order::Tree(links) => kernels::tree_softmax(&scores, links, mode == Mode::Train)?,
+                }
             }
             Some(mask) => {
                 let scores = scores.reshape((b, nkv, group, t, kv_len))?.broadcast_add(mask)?;
@@ -866,7 +837,7 @@ struct Pass<'a> {
     t: usize,
     /// Keys each query can see: cached or prefix positions + T.
     kv_len: usize,
-    starts: &'a [usize],
+    order: Order<'a>,
     /// `[B, T, head_dim/2]`.
     cos: Tensor,
     sin: Tensor,
@@ -876,14 +847,14 @@ struct Pass<'a> {
     dropout_seed: Option<u64>,
 }
 
-/// Layer inputs of a checkpointed training pass, detached: rows `[B*T, H]` and the shared
-/// prefix `[P, H]` (when there is one) before each layer, then the rows before the final norm.
+/// Layer inputs of a checkpointed training pass, detached: `[B*T, H]` before each layer, then
+/// before the final norm.
 pub struct Checkpoints {
     ids: Tensor,
-    prefix_ids: Tensor,
-    inputs: Vec<(Tensor, Option<Tensor>)>,
-    /// Dropout seeds of the rows' and the prefix's passes, for the recomputation.
-    seeds: [u64; 2],
+    tree: Option<Arc<TreeLinks>>,
+    inputs: Vec<Tensor>,
+    /// The pass's dropout seed, for the recomputation.
+    seed: u64,
 }
 
 /// How a training pass's final hidden states back-propagate into the weights.
@@ -912,7 +883,24 @@ impl Backprop {
 enum LayerPast<'a> {
     None,
     Cache(&'a (Tensor, Tensor), usize),
-    Prefix(&'a (Tensor, Tensor)),
+}
+
+/// Rows from their starts, or the tree when there is one.
+fn order<'a>(tree: Option<&'a Arc<TreeLinks>>, starts: &'a [usize]) -> Order<'a> {
+    tree.map_or(Order::Rows(starts), Order::Tree)
+}
+
+/// Additive mask `[1, 1, 1, T, T]` of a packed prefix tree (devices without the fused kernel):
+/// node i sees node j when j is i or one of its ancestors.
+pub fn tree_mask(links: &TreeLinks, dev: &Device) -> Result<Tensor> {
+    let t = links.len();
+    let mut m = vec![f32::NEG_INFINITY; t * t];
+    for i in 0..t {
+        for (from, to) in links.visible(i) {
+            m[i * t + from..=i * t + to].iter_mut().for_each(|x| *x = 0.0);
+        }
+    }
+    Ok(Tensor::from_vec(m, (1, 1, 1, t, t), dev)?)
 }
 
 /// Additive mask `[B, 1, 1, T, L]` (devices without the fused kernel; the kernel's tests):

@@ -1,8 +1,10 @@
 //! Batched generation: prompts are left-padded into one batch, prefilled into a pre-allocated
-//! KV cache, then decoded one token per row per step with the fused (no-grad) ops. Prompts that
-//! share a long prefix (a group's episodes start from the same prompt; later turns still share
-//! the first one) prefill it once: its keys and values are copied into each row's cache and only
-//! the rows' own tokens are prefilled (`GenerationConfig::share_prefixes`). Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
+//! KV cache, then decoded one token per row per step with the fused (no-grad) ops. Identical
+//! prompts (a group's first turn; episodes whose histories are still alike) prefill once and
+//! their cache rows are copied out; prompts that share a long prefix (later turns still share
+//! the first prompt) prefill it once: its keys and values are copied into each row's cache and
+//! only the rows' own tokens are prefilled (`GenerationConfig::share_prefixes`). A row that
+//! continues its earlier turn (`Resume`) prefills only the new tokens. Each row stops on its own (a stop id such as EOS or `<|im_end|>`, a stop string, or the
 //! token budget); finished rows leave the batch (and the cache) in groups. Sampling (temperature,
 //! top-k, top-p) draws from the project's seeded `Rng`, so a seed reproduces a rollout. With an
 //! [`AnswerGrammar`], tokens that would leave a well-formed answer are masked before sampling.
@@ -182,6 +184,26 @@ impl Resume {
     }
 }
 
+/// The distinct prompts: for each, the row that prefills it (of the rows with that prompt, the
+/// one whose earlier turn supplies the most positions), and for every row, its prompt's index
+/// among them.
+fn distinct_prompts(prompts: &[Vec<u32>], resume: &[Option<Resume>]) -> (Vec<usize>, Vec<usize>) {
+    let reusable = |r: usize| resume.get(r).and_then(Option::as_ref).map_or(0, |x| x.reusable(&prompts[r]));
+    let mut index: std::collections::HashMap<&[u32], usize> = Default::default();
+    let (mut firsts, mut of_row) = (Vec::new(), Vec::with_capacity(prompts.len()));
+    for (r, prompt) in prompts.iter().enumerate() {
+        let u = *index.entry(prompt.as_slice()).or_insert_with(|| {
+            firsts.push(r);
+            firsts.len() - 1
+        });
+        if reusable(r) > reusable(firsts[u]) {
+            firsts[u] = r;
+        }
+        of_row.push(u);
+    }
+    (firsts, of_row)
+}
+
 /// Where a batch's random draws come from.
 pub enum Draws<'a> {
     /// One stream for the whole batch, row after row (in process: the run's seed fixes every draw).
@@ -298,7 +320,27 @@ impl Policy {
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let starts: Vec<usize> = prompts.iter().map(|x| p - x.len()).collect();
         let dev = self.device();
-        let (mut cache, mut last) = phase::timed(Phase::Prefill, || self.prefill(prompts, &starts, resume, cfg))?;
+        // Rows with the same prompt (a group's first turn; episodes whose histories are still
+        // alike) prefill it once, from the longest earlier turn any of them kept; the cache
+        // rows are then copied out to them.
+        let (firsts, of_row) = match cfg.share_prefixes {
+            true => distinct_prompts(prompts, resume),
+            false => ((0..b).collect(), (0..b).collect()),
+        };
+        let (mut cache, mut last) = phase::timed(Phase::Prefill, || -> Result<_> {
+            let pick = |r: &usize| prompts[*r].clone();
+            let once: Vec<Vec<u32>> = firsts.iter().map(pick).collect();
+            let once_starts: Vec<usize> = firsts.iter().map(|&r| starts[r]).collect();
+            let once_resume: Vec<Option<&Resume>> =
+                firsts.iter().map(|&r| resume.get(r).and_then(Option::as_ref)).collect();
+            let (mut cache, last) = self.prefill(&once, &once_starts, &once_resume, cfg)?;
+            if firsts.len() == b {
+                return Ok((cache, last));
+            }
+            cache.retain(&of_row)?;
+            let idx = Tensor::from_vec(of_row.iter().map(|&i| i as u32).collect::<Vec<_>>(), b, dev)?;
+            Ok((cache, last.contiguous()?.index_select(&idx, 0)?))
+        })?;
         let mut out: Vec<Generation> = (0..b)
             .map(|_| Generation {
                 ids: vec![],
@@ -445,15 +487,14 @@ impl Policy {
         &self,
         prompts: &[Vec<u32>],
         starts: &[usize],
-        resume: &[Option<Resume>],
+        resume: &[Option<&Resume>],
         cfg: &GenerationConfig,
     ) -> Result<(KvCache, Tensor)> {
         let dev = self.device();
         let p = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let capacity = p + cfg.max_new_tokens;
-        let resumed: Vec<usize> = (0..prompts.len())
-            .map(|r| resume.get(r).and_then(Option::as_ref).map_or(0, |x| x.reusable(&prompts[r])))
-            .collect();
+        let resumed: Vec<usize> =
+            (0..prompts.len()).map(|r| resume[r].map_or(0, |x| x.reusable(&prompts[r]))).collect();
         let (mut caches, mut lasts) = (Vec::new(), Vec::new());
         for c in clusters(prompts, &resumed, cfg.share_prefixes) {
             let rows = c.rows.len();
@@ -464,7 +505,7 @@ impl Policy {
             };
             let mut own = 1;
             for (i, r) in c.rows.clone().enumerate() {
-                let known = match (&resume.get(r).and_then(Option::as_ref), &shared) {
+                let known = match (&resume[r], &shared) {
                     (Some(x), _) if resumed[r] >= c.prefix && resumed[r] > 0 => {
                         cache.write_prefix(i, starts[r], &x.kv, resumed[r])?;
                         resumed[r]

@@ -156,10 +156,32 @@ fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
         .collect())
 }
 
-/// Micro-batches of the trajectories `idx`, in order, each within the memory of `micro`
-/// unshared rows of the longest trajectory. Rows of one group share their prompt, which runs
-/// once per micro-batch (nothing before the first assistant token is trained on), so a
-/// micro-batch holds as many rows as fit: a whole group when the prompt dominates.
+/// Keys a query attends to at which its attention costs as much as its projections (SmolLM2:
+/// 7.1 MFLOP of projections per position and layer, 2.3 kFLOP of attention per key). A packed
+/// tree's attention runs over all its nodes (the mask zeroes what a node does not see), so a
+/// tree pays this quadratic term on its whole size, rows on their own lengths.
+const KEYS_PER_PROJECTION: f64 = 3000.0;
+
+/// Most nodes of one packed tree: its attention scores grow with the square.
+const MAX_TREE_NODES: usize = 2048;
+
+/// The trajectories `rows` as one pass: packed as a prefix tree where that computes less than
+/// the rows do (a group's trajectories share their prompt and often turns of history), scoring
+/// only their trained tokens.
+fn pass_of(seqs: &[&[u32]], masks: &[Vec<bool>], rows: &[usize], pad: u32) -> Result<TokenBatch> {
+    let plain = TokenBatch::new(&rows.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
+    let masks: Vec<&[bool]> = rows.iter().map(|&i| masks[i].as_slice()).collect();
+    let cost = |positions: usize, keys: usize| positions as f64 * (1.0 + keys as f64 / KEYS_PER_PROJECTION);
+    let tree = plain.clone().as_tree();
+    let (nodes, len) = (tree.tokens_computed(), plain.len);
+    let pick = if nodes <= MAX_TREE_NODES && cost(nodes, nodes) < cost(plain.rows * len, len) { tree } else { plain };
+    Ok(pick.score_only(&masks))
+}
+
+/// Micro-batches of the trajectories `idx`, in order, each computing at most the positions of
+/// `micro` rows of the longest trajectory. Rows of one group share their prompt and often
+/// turns of history, which a packed tree runs once, so a micro-batch holds as many rows as fit:
+/// a whole group when the shared part dominates.
 pub(super) fn micro_batches(
     seqs: &[&[u32]],
     masks: &[Vec<bool>],
@@ -167,23 +189,18 @@ pub(super) fn micro_batches(
     micro: usize,
     pad: u32,
 ) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
-    let batch = |rows: &[usize]| -> Result<TokenBatch> {
-        let first_trained = rows.iter().map(|&i| masks[i].iter().position(|&m| m).unwrap_or(0)).min().unwrap_or(0);
-        let tb = TokenBatch::new(&rows.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
-        Ok(tb.share_prefix(first_trained))
-    };
     let budget = micro.max(1) * idx.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
     let mut out = Vec::new();
     let mut rows: Vec<usize> = Vec::new();
     let mut current: Option<TokenBatch> = None;
     for &i in idx {
         rows.push(i);
-        let candidate = batch(&rows)?;
+        let candidate = pass_of(seqs, masks, &rows, pad)?;
         if rows.len() > 1 && candidate.tokens_computed() > budget {
             rows.pop();
             out.push((std::mem::take(&mut rows), current.take().expect("a batch of the rows so far")));
             rows.push(i);
-            current = Some(batch(&rows)?);
+            current = Some(pass_of(seqs, masks, &rows, pad)?);
         } else {
             current = Some(candidate);
         }
