@@ -125,6 +125,10 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
     ] {
         assert!(metrics[1][key].is_number(), "metrics line lacks {key}: {}", metrics[1]);
     }
+    // The rollout's floor counts each distinct position once: above 0, below the per-token estimate.
+    let floor = metrics[1]["perf/floor_flops_rollout"].as_f64().unwrap();
+    assert!(floor > 0.0 && floor < metrics[1]["perf/flops"].as_f64().unwrap(), "{}", metrics[1]);
+    assert!(metrics[1]["perf/floor_flops_update"].as_f64().unwrap() > 0.0, "{}", metrics[1]);
     // Every key an Echo-Trap alarm reads is one the trainer writes (a misspelt key would switch
     // the alarm off without a word); the probe's keys come every echo.mi_every steps.
     for key in ragen_lab::metrics::echo_trap::ALARM_KEYS {
@@ -303,6 +307,7 @@ fn a_step_without_reward_variance_makes_no_update() {
     for m in jsonl(&run.join("metrics.jsonl")) {
         assert_eq!(m["update/skipped"], 1.0, "{m}");
         assert!(m.get("update/entropy").is_none(), "{m}");
+        assert!(m.get("perf/floor_flops_update").is_none(), "a skipped update has no floor: {m}");
     }
     assert_eq!(jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "no_signal").count(), 2);
     let weights =

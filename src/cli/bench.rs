@@ -245,6 +245,7 @@ fn run_step(args: StepArgs) -> Result<()> {
         println!("{}", s.row(&(i + 1).to_string()));
     }
     println!("{}", report.median.row("median"));
+    println!("{}", report.floor.line(&report.median, report.gemm_gflops));
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
             .with_context(|| format!("writing --json {}", path.display()))?;

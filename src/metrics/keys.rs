@@ -139,6 +139,11 @@ metric_keys! {
     TokensUnique = "perf/tokens_unique",
     /// Estimated FLOPs (2N per rollout token, 6N per trained token).
     Flops = "perf/flops",
+    /// The rollout's floor: one forward over the step's distinct positions, logits where sampled.
+    FloorFlopsRollout = "perf/floor_flops_rollout",
+    /// The update's floor: forward, checkpoint recompute and backward (4 forwards) over the kept
+    /// trajectories' distinct positions, logits where scored. 0 when the update was skipped.
+    FloorFlopsUpdate = "perf/floor_flops_update",
     /// Peak resident memory of the process, MB.
     PeakRssMb = "perf/peak_rss_mb",
     /// Template-collapse probe: mutual information between prompts and reasoning, nats.

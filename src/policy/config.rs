@@ -171,13 +171,28 @@ impl Config {
 
     /// Number of parameters (the tied lm_head counted once).
     pub fn num_params(&self) -> usize {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let head = if self.tie_word_embeddings { 0 } else { v * h };
+        v * h + self.num_hidden_layers * self.layer_params() + h + head
+    }
+
+    /// Parameters of one decoder layer: two norms, attention (with Qwen2's biases), the MLP.
+    fn layer_params(&self) -> usize {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
         let bias = if self.family.qkv_bias() { q + 2 * kv } else { 0 };
-        let layer = 2 * h + h * q + 2 * h * kv + q * h + bias + 3 * h * i;
-        let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + self.num_hidden_layers * layer + h + head
+        2 * h + h * q + 2 * h * kv + q * h + bias + 3 * h * i
+    }
+
+    /// FLOPs of one forward pass over `positions` token positions of which `scored` need logits:
+    /// 2 per weight per position through the layers, 2·hidden·vocab per logit row. The
+    /// embedding lookup is free and attention's score products are left out (under a tenth at
+    /// a few hundred positions), so this is a floor.
+    pub fn forward_flops(&self, positions: usize, scored: usize) -> f64 {
+        let layers = (self.num_hidden_layers * self.layer_params()) as f64;
+        let head = (self.vocab_size * self.hidden_size) as f64;
+        2.0 * (layers * positions as f64 + head * scored as f64)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -232,6 +247,13 @@ mod tests {
         assert_eq!(tiny(Family::Llama).num_params(), 80 + 592 + 8);
         // Qwen2: + q/k/v biases (8 + 4 + 4) + its own lm_head 80
         assert_eq!(tiny(Family::Qwen2).num_params(), 80 + 592 + 16 + 8 + 80);
+    }
+
+    #[test]
+    fn forward_flops_count_the_layers_per_position_and_the_head_per_scored_row() {
+        // 2 · (592 layer weights · 10 positions + 80 head weights · 3 logit rows), tied or not.
+        assert_eq!(tiny(Family::Llama).forward_flops(10, 3), 2.0 * (592.0 * 10.0 + 80.0 * 3.0));
+        assert_eq!(tiny(Family::Qwen2).forward_flops(10, 0), 2.0 * 608.0 * 10.0);
     }
 
     #[test]

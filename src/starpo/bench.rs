@@ -4,8 +4,10 @@
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -84,6 +86,8 @@ step_figures! {
     tokens_computed: Key::TokensComputed,
     /// Distinct token positions of the step's trajectories (their prefix tree).
     tokens_unique: Key::TokensUnique,
+    floor_rollout_flops: Key::FloorFlopsRollout,
+    floor_update_flops: Key::FloorFlopsUpdate,
     peak_rss_mb: Key::PeakRssMb,
 }
 
@@ -122,6 +126,75 @@ pub struct StepReport {
     pub steps: Vec<StepFigures>,
     /// Medians over the steps after the first (over all steps when there is one).
     pub median: StepFigures,
+    /// This machine's f32 GEMM rate, measured before the steps.
+    pub gemm_gflops: f64,
+    /// The median step against its floor at that rate.
+    pub floor: Floor,
+}
+
+/// A step's floor: its distinct work (the FLOPs of [`StepFigures`]) at the measured GEMM rate,
+/// and the measured time as a multiple of it, per phase.
+#[derive(Debug, Serialize, PartialEq)]
+pub struct Floor {
+    pub rollout_s: f64,
+    pub update_s: f64,
+    pub step_s: f64,
+    pub rollout_x: f64,
+    pub update_x: f64,
+    pub step_x: f64,
+}
+
+impl Floor {
+    pub fn of(f: &StepFigures, gemm_gflops: f64) -> Self {
+        let secs = |flops: f64| flops / (gemm_gflops * 1e9);
+        let (rollout_s, update_s) = (secs(f.floor_rollout_flops), secs(f.floor_update_flops));
+        let step_s = rollout_s + update_s;
+        let times = |measured: f64, floor: f64| if floor > 0.0 { measured / floor } else { f64::NAN };
+        Self {
+            rollout_s,
+            update_s,
+            step_s,
+            rollout_x: times(f.rollout_s, rollout_s),
+            update_x: times(f.update_s, update_s),
+            step_x: times(f.step_s, step_s),
+        }
+    }
+
+    pub fn line(&self, f: &StepFigures, gemm_gflops: f64) -> String {
+        format!(
+            "floor at {gemm_gflops:.0} GFLOP/s (f32 GEMM, measured): rollout {:.2} TFLOP = {:.2} s ({:.1}×), \
+             update {:.2} TFLOP = {:.2} s ({:.1}×), step {:.2} s ({:.1}×)",
+            f.floor_rollout_flops / 1e12,
+            self.rollout_s,
+            self.rollout_x,
+            f.floor_update_flops / 1e12,
+            self.update_s,
+            self.update_x,
+            self.step_s,
+            self.step_x
+        )
+    }
+}
+
+/// The best f32 GEMM rate of this machine, GFLOP/s, on a layer's shape (512 positions through
+/// a 576 → 1536 projection, SmolLM2-135M's MLP), over the threads the steps use.
+pub fn gemm_gflops() -> Result<f64> {
+    let dev = Device::Cpu;
+    let (m, k, n) = (512, 576, 1536);
+    let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+    let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
+    let wt = w.t()?;
+    let _ = x.matmul(&wt)?; // warm-up: pages and packing buffers
+    let mut best = f64::INFINITY;
+    let t_all = Instant::now();
+    while t_all.elapsed().as_secs_f64() < 1.0 {
+        let t = Instant::now();
+        for _ in 0..8 {
+            std::hint::black_box(x.matmul(&wt)?);
+        }
+        best = best.min(t.elapsed().as_secs_f64() / 8.0);
+    }
+    Ok(2.0 * (m * k * n) as f64 / best / 1e9)
 }
 
 /// Run the steps and collect their figures.
@@ -129,6 +202,7 @@ pub fn measure(args: &StepArgs) -> Result<StepReport> {
     if args.steps == 0 {
         bail!("bench step: --steps must be at least 1");
     }
+    let gemm = gemm_gflops()?;
     let scratch = tempfile_dir()?;
     let mut sets = args.sets.clone();
     sets.push("train.val_every=0".into());
@@ -159,10 +233,13 @@ pub fn measure(args: &StepArgs) -> Result<StepReport> {
         .map(|l| StepFigures::from_line(&l))
         .collect();
     let measured = if steps.len() > 1 { &steps[1..] } else { &steps[..] };
+    let median = StepFigures::median(measured);
     Ok(StepReport {
         experiment: args.env.clone(),
         threads: rayon::current_num_threads(),
-        median: StepFigures::median(measured),
+        floor: Floor::of(&median, gemm),
+        gemm_gflops: gemm,
+        median,
         steps,
     })
 }
@@ -195,5 +272,29 @@ mod tests {
         assert_eq!(m.step_s, 3.0);
         assert_eq!(m.peak_rss_mb, 2000.0, "the peak is the largest, not the median");
         assert!(m.row("median").contains("3.00"));
+    }
+
+    #[test]
+    fn the_floor_is_the_distinct_flops_at_the_gemm_rate() {
+        let f = StepFigures {
+            step_s: 6.0,
+            rollout_s: 2.0,
+            update_s: 4.0,
+            floor_rollout_flops: 100e9,
+            floor_update_flops: 400e9,
+            ..StepFigures::default()
+        };
+        let floor = Floor::of(&f, 200.0);
+        assert_eq!((floor.rollout_s, floor.update_s, floor.step_s), (0.5, 2.0, 2.5));
+        assert_eq!((floor.rollout_x, floor.update_x, floor.step_x), (4.0, 2.0, 2.4));
+        let skipped = Floor::of(&StepFigures { floor_update_flops: 0.0, ..f }, 200.0);
+        assert!(skipped.update_x.is_nan(), "a skipped update has no floor to be a multiple of");
+        assert!(floor.line(&f, 200.0).contains("step 2.50 s (2.4×)"));
+    }
+
+    #[test]
+    fn the_gemm_rate_is_measured_and_plausible() {
+        let g = gemm_gflops().unwrap();
+        assert!(g.is_finite() && g > 0.1, "{g}");
     }
 }

@@ -509,6 +509,14 @@ pub fn train(opts: Options) -> Result<Summary> {
         put(&mut line, Key::TokensUnique, distinct_positions(&packed) as f64);
         // Rough: 2·N per token forward (rollout), 6·N per token forward + backward (update).
         put(&mut line, Key::Flops, 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
+        let cfg = &policy.model.cfg;
+        let sampled: usize = trajs.iter().flat_map(|t| &t.turns).map(|u| u.response_tokens).sum();
+        put(&mut line, Key::FloorFlopsRollout, cfg.forward_flops(distinct_positions(&packed), sampled));
+        if !skipped {
+            let kept_ids: Vec<&[u32]> = kept.iter().map(|&i| packed[i]).collect();
+            let scored: usize = kept.iter().map(|&i| trajs[i].packed.assistant_tokens()).sum();
+            put(&mut line, Key::FloorFlopsUpdate, 4.0 * cfg.forward_flops(distinct_positions(&kept_ids), scored));
+        }
         if let Some(mb) = peak_rss_mb() {
             put(&mut line, Key::PeakRssMb, mb);
         }
