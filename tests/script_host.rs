@@ -779,6 +779,7 @@ fn the_prompt_template_writes_ragens_messages() {
         max_tokens: 100,
         max_actions_per_turn: 5,
         show_actions: true,
+        valid_actions: info.actions.clone(),
     };
     let text = prompt.user(&info, &first).unwrap();
     let expected = format!(
@@ -799,6 +800,7 @@ fn the_prompt_template_writes_ragens_messages() {
         max_tokens: 100,
         max_actions_per_turn: 5,
         show_actions: true,
+        valid_actions: info.actions.clone(),
     };
     assert_eq!(
         prompt.user(&info, &second).unwrap(),
@@ -806,8 +808,14 @@ fn the_prompt_template_writes_ragens_messages() {
          with no extra text. Strictly follow this format. Max response length: 100 words (tokens).\n"
     );
     // Without the legal actions listed (rollout.show_actions = false) the limit is still stated.
-    let hidden = prompt.user(&info, &TurnContext { show_actions: false, ..first }).unwrap();
+    let hidden = prompt.user(&info, &TurnContext { show_actions: false, ..first.clone() }).unwrap();
     assert!(!hidden.contains("Your available actions") && hidden.contains("You can make up to 5 actions"));
+    // Where the state allows fewer actions than describe lists, every turn lists this state's.
+    let narrow = vec!["Up".to_string(), "Left".to_string()];
+    let first_narrow = prompt.user(&info, &TurnContext { valid_actions: narrow.clone(), ..first }).unwrap();
+    assert!(first_narrow.contains("Your available actions are:\nUp, Left\n"), "{first_narrow}");
+    let later = prompt.user(&info, &TurnContext { valid_actions: narrow, ..second }).unwrap();
+    assert!(later.starts_with("Reward:\n-0.15\nYour available actions are:\nUp, Left\n\nTurn 2:"), "{later}");
 }
 
 #[test]

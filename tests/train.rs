@@ -519,3 +519,45 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
         "no new failures after resume"
     );
 }
+
+/// Two turns whose legal answers differ (issue 31): describe lists all four names, the state
+/// allows two. A random model constrained to describe's list would name an illegal one in most
+/// of 2 × 4 episodes × 2 turns; constrained to the state's, never.
+const PHASES_ENV: &str = r#"
+fn describe(params) {
+    #{ name: "phases", instruction: "Answer with one of the available actions.",
+       actions: ["Alpha", "Beta", "Gamma", "Delta"], max_turns: 2, max_actions: 2, max_actions_per_turn: 1 }
+}
+fn reset(seed, params) { #{ turn: 0 } }
+fn valid_actions(state) { if state.turn == 0 { ["Alpha", "Beta"] } else { ["Gamma", "Delta"] } }
+fn render(state) { `Phase ${state.turn + 1}.` }
+fn step(state, action) {
+    let ok = valid_actions(state).contains(action);
+    state.turn += 1;
+    #{ reward: if ok { 1.0 } else { 0.0 }, done: state.turn >= 2, valid: ok, success: ok && state.turn >= 2 }
+}
+"#;
+
+#[test]
+fn each_turn_is_constrained_to_the_states_legal_actions() {
+    let p = project();
+    fs::write(p.path().join("envs/phases.rhai"), PHASES_ENV).unwrap();
+    let experiment = r#"fn experiment() { #{ env: "envs/phases.rhai", prompt: "prompts/ragen.rhai",
+        settings: #{ rollout: #{ think: false, constrain_actions: true }, starpo: #{ advantage: "grpo" } } } }"#;
+    fs::write(p.path().join("scripts/phases.rhai"), experiment).unwrap();
+    let mut c = train(p.path(), &["--env", "scripts/phases.rhai", "--steps", "1", "--run-dir", "runs/phases"]);
+    c.args(["--set", "rollout.group_size=4", "--set", "rollout.response_length=24"]);
+    run_ok(c);
+    let trajs = jsonl(&p.path().join("runs/phases/rollouts/step-000001.jsonl"));
+    assert_eq!(trajs.len(), 8);
+    for t in &trajs {
+        let turns = t["turns"].as_array().unwrap();
+        assert_eq!(turns.len(), 2, "{t}");
+        for (turn, legal) in turns.iter().zip([["Alpha", "Beta"], ["Gamma", "Delta"]]) {
+            let action = turn["actions"][0].as_str().unwrap_or_default();
+            assert!(legal.contains(&action), "turn answered {action:?}, legal {legal:?}: {t}");
+            // The prompt lists the state's actions: all of turn 1's, and turn 2's where they differ.
+            assert!(turn["user"].as_str().unwrap().contains(&legal.join(", ")), "{turn}");
+        }
+    }
+}

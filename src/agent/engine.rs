@@ -93,13 +93,16 @@ impl HttpEngine {
         if cfg.forcing.is_some() {
             bail!("rollout.think_budget acts inside the local sampler; it is not available with rollout.backend = \"http\"");
         }
-        let answer_grammar = cfg.constraint.as_ref().map(|g| {
-            let (actions, max_actions, starts_inside) = g.parts();
-            AnswerSpec { actions, max_actions, starts_inside }
-        });
+        let answer_grammar = |row: usize| {
+            cfg.constraint_of(row).map(|g| {
+                let (actions, max_actions, starts_inside) = g.parts();
+                AnswerSpec { actions, max_actions, starts_inside }
+            })
+        };
         let requests: Vec<CompletionRequest> = prompts
             .iter()
-            .map(|p| CompletionRequest {
+            .enumerate()
+            .map(|(row, p)| CompletionRequest {
                 model: self.model().to_string(),
                 prompt: Prompt::Ids(p.clone()),
                 sampling: Sampling {
@@ -112,7 +115,7 @@ impl HttpEngine {
                     seed: Some(rng.next_u64()),
                     include_stop_str_in_output: Some(true),
                     return_token_ids: Some(true),
-                    answer_grammar: answer_grammar.clone(),
+                    answer_grammar: answer_grammar(row),
                     ..Sampling::default()
                 },
                 // 1, not 0: llama-server returns no log-probs for 0 (vLLM gives the sampled

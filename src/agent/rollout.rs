@@ -53,9 +53,10 @@ settings_section! {
         /// List the env's legal actions in the prompt (the prompt script reads it as
         /// `turn.show_actions`).
         show_actions: bool = true,
-        /// Inside `<answer>`, sample only the env's action names (`A || B`, then `</answer>`),
-        /// so an answer cannot be misspelt; the choice stays the model's. RAGEN samples freely.
-        /// No effect on free-text envs.
+        /// Inside `<answer>`, sample only the names of the actions legal in the episode's state
+        /// (`valid_actions(state)`, else `describe`'s; `A || B`, then `</answer>`), so an answer
+        /// cannot be misspelt; the choice stays the model's. RAGEN samples freely. No effect on
+        /// free-text envs.
         constrain_actions: bool = false,
         /// Think mode: after this many tokens without `</think>`, the sampler writes
         /// `</think><answer>` itself (left out of the loss) and the model answers; 0 = off. For
@@ -329,17 +330,19 @@ pub fn rollout(
     let turns = Turns::new(scripts, &plan.params, s)?;
     let open_tag = policy.encode_plain(turns.open_tag)?;
     let (info, max_turns, limits, system) = (&turns.info, turns.max_turns, turns.limits, &turns.system);
-    let gen_cfg = GenerationConfig {
+    // An answer names the state's legal actions (the env's own list when it gives none).
+    let turn_grammar = |valid: &[String]| {
+        let names = if valid.is_empty() { &info.actions[..] } else { valid };
+        AnswerGrammar::new(names, limits.max_actions_per_turn, !s.think)
+    };
+    let mut gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
         temperature: plan.temperature,
         top_p: s.top_p,
         top_k: s.top_k,
         stop_strings: vec!["</answer>".into()],
-        constraint: if s.constrain_actions {
-            AnswerGrammar::new(&info.actions, limits.max_actions_per_turn, !s.think)
-        } else {
-            None
-        },
+        // Per row and turn below: each episode's state's legal actions (`valid_actions`).
+        constraint: None,
         forcing: match (s.think, s.think_budget) {
             (true, n) if n > 0 => {
                 Some(Forcing { after: n, unless: "</think>".into(), ids: policy.encode_plain(FORCED)? })
@@ -363,17 +366,22 @@ pub fn rollout(
     for turn in 1..=max_turns {
         // 1. Prompts of every live episode.
         let mut batch = Vec::new(); // (episode index, prompt ids, (obs, user text))
+        let mut row_constraints = Vec::new(); // each row's legal actions, under constrain_actions
         for (i, ep) in live.iter_mut().enumerate().filter(|(_, e)| !e.done) {
             let Some(open) = turns.open(policy, scripts, &ep.episode, &mut ep.history, turn, ep.prev_reward, s)? else {
                 ep.done = true;
                 ep.truncated = true;
                 continue;
             };
+            if s.constrain_actions {
+                row_constraints.push(turn_grammar(&open.valid_actions));
+            }
             batch.push((i, open.ids, (open.obs, open.user)));
         }
         if batch.is_empty() {
             break;
         }
+        gen_cfg.row_constraints = std::mem::take(&mut row_constraints);
         // 2. All live episodes generate together, each continuing from what the model computed
         // for it last turn (the new prompt repeats the old one and the reply).
         let prompts: Vec<Vec<u32>> = batch.iter().map(|b| b.1.clone()).collect();
@@ -443,6 +451,8 @@ pub struct OpenTurn {
     pub user: String,
     /// The chat so far with the generation prompt and the opening tag.
     pub ids: Vec<u32>,
+    /// The legal actions in this state (what a constrained answer may name).
+    pub valid_actions: Vec<String>,
 }
 
 impl Turns {
@@ -470,18 +480,19 @@ impl Turns {
         prev_reward: Option<f64>,
         s: &Rollout,
     ) -> Result<Option<OpenTurn>> {
-        let (obs, user) = self.user_turn(scripts, episode, history, turn, prev_reward, s)?;
+        let ((obs, user), valid_actions) = self.user_turn(scripts, episode, history, turn, prev_reward, s)?;
         let mut ids = policy.chat_tokens(&history.messages(s.context_window), true)?.ids;
         ids.extend(policy.encode_plain(self.open_tag)?);
         if ids.len() + s.response_length > s.max_context_tokens {
             history.turns.pop();
             return Ok(None);
         }
-        Ok(Some(OpenTurn { obs, user, ids }))
+        Ok(Some(OpenTurn { obs, user, ids, valid_actions }))
     }
 
     /// The text half of [`Turns::open`]: renders the observation, writes the user message with
-    /// the prompt template and pushes it onto `history`; returns (observation, user message).
+    /// the prompt template and pushes it onto `history`; returns (observation, user message) and
+    /// the state's legal actions.
     pub fn user_turn(
         &self,
         scripts: &ExperimentScripts,
@@ -490,8 +501,9 @@ impl Turns {
         turn: usize,
         prev_reward: Option<f64>,
         s: &Rollout,
-    ) -> Result<(String, String)> {
+    ) -> Result<((String, String), Vec<String>)> {
         let obs = episode.render()?;
+        let valid_actions = episode.valid_actions()?;
         let ctx = TurnContext {
             turn,
             obs: obs.clone(),
@@ -501,10 +513,11 @@ impl Turns {
             max_tokens: s.response_length,
             max_actions_per_turn: self.limits.max_actions_per_turn,
             show_actions: s.show_actions,
+            valid_actions,
         };
         let user = scripts.prompt.user(&self.info, &ctx)?;
         history.push_user(user.clone());
-        Ok((obs, user))
+        Ok(((obs, user), ctx.valid_actions))
     }
 }
 

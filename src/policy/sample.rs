@@ -34,8 +34,25 @@ pub struct GenerationConfig {
     /// Inside the answer, sample only tokens that keep it a well-formed action list
     /// (`rollout.constrain_actions`); `None`: free sampling.
     pub constraint: Option<AnswerGrammar>,
+    /// Per prompt when not empty: each row's own grammar (the legal actions of its episode's
+    /// state), in place of `constraint`.
+    pub row_constraints: Vec<Option<AnswerGrammar>>,
     /// Text the sampler writes itself once a reply runs long (`rollout.think_budget`).
     pub forcing: Option<Forcing>,
+}
+
+impl GenerationConfig {
+    /// The grammar row `row` samples under, if any.
+    pub fn constraint_of(&self, row: usize) -> Option<&AnswerGrammar> {
+        match self.row_constraints.is_empty() {
+            true => self.constraint.as_ref(),
+            false => self.row_constraints.get(row).and_then(Option::as_ref),
+        }
+    }
+
+    fn constrained(&self) -> bool {
+        self.constraint.is_some() || self.row_constraints.iter().any(Option::is_some)
+    }
 }
 
 /// After `after` tokens whose text lacks `unless`, the row is fed `ids` as if it had sampled
@@ -57,6 +74,7 @@ impl Default for GenerationConfig {
             stop_strings: vec![],
             share_prefixes: true,
             constraint: None,
+            row_constraints: vec![],
             forcing: None,
         }
     }
@@ -360,7 +378,7 @@ impl Policy {
         let mut done = vec![false; b];
         // Under a constraint or a forcing: each row's text so far, token texts appended as they
         // are sampled; and the forced ids a row has still to be fed.
-        let token_texts = (cfg.constraint.is_some() || cfg.forcing.is_some()).then(|| self.token_texts());
+        let token_texts = (cfg.constrained() || cfg.forcing.is_some()).then(|| self.token_texts());
         let mut replies = vec![String::new(); b];
         let mut to_force: Vec<std::collections::VecDeque<u32>> = vec![Default::default(); b];
         // Cache row k holds sequence active[k]; finished sequences are dropped from the batch
@@ -386,7 +404,7 @@ impl Policy {
                 let (id, lp) = if let Some(id) = to_force[row].pop_front() {
                     (id, 0.0)
                 } else {
-                    let mask = match (&cfg.constraint, &token_texts) {
+                    let mask = match (cfg.constraint_of(row), &token_texts) {
                         (Some(grammar), Some(texts)) => {
                             grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
                         }

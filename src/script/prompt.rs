@@ -27,6 +27,8 @@ pub struct TurnContext {
     pub max_actions_per_turn: usize,
     /// Whether to list the env's legal actions (`rollout.show_actions`, an experiment setting).
     pub show_actions: bool,
+    /// The legal actions in this state: the env's `valid_actions(state)`, else `describe`'s.
+    pub valid_actions: Vec<String>,
 }
 
 /// A reward as a prompt shows it: rounded to 6 decimals, so a sum of shaping terms reads

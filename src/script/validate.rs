@@ -112,6 +112,7 @@ pub fn smoke_prompt(prompt: &PromptScript) -> Result<(), ScriptError> {
             max_tokens: 100,
             max_actions_per_turn: 2,
             show_actions: turn == 1,
+            valid_actions: info.actions.clone(),
         };
         prompt.user(&info, &ctx)?;
     }

@@ -356,7 +356,8 @@ fn play(
     play.ask_solver = true;
     let (mut latencies, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
     for turn in 1..=turns.max_turns {
-        let opened = turns.user_turn(scripts, &play.episode, &mut play.history, turn, play.prev_reward, r)?;
+        let (opened, valid) = turns.user_turn(scripts, &play.episode, &mut play.history, turn, play.prev_reward, r)?;
+        let names = if valid.is_empty() { turns.info.actions.clone() } else { valid };
         let mut messages: Vec<ChatMessage> = play
             .history
             .messages(r.context_window)
@@ -381,8 +382,8 @@ fn play(
                 include_stop_str_in_output: (!plain).then_some(true),
                 // `ragen-lab serve` constrains the answer as the local sampler does; other
                 // engines ignore the field.
-                answer_grammar: (!plain && r.constrain_actions && !turns.info.actions.is_empty()).then(|| AnswerSpec {
-                    actions: turns.info.actions.clone(),
+                answer_grammar: (!plain && r.constrain_actions && !names.is_empty()).then(|| AnswerSpec {
+                    actions: names,
                     max_actions: turns.limits.max_actions_per_turn,
                     starts_inside: !r.think,
                 }),
