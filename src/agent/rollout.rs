@@ -133,6 +133,13 @@ pub struct TurnRecord {
     pub solver_action: Option<String>,
 }
 
+impl TurnRecord {
+    /// Whether the answer is a legal action list: in format, every action valid, at least one.
+    pub fn legal_answer(&self) -> bool {
+        self.format_ok && self.invalid_actions.is_empty() && !self.actions.is_empty()
+    }
+}
+
 /// Script versions that produced a trajectory.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Versions {

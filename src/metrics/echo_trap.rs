@@ -53,6 +53,9 @@ settings_section! {
         think_min_baseline: f64 = 2.0,
         /// Repetition: rollout/repetition (share of responses duplicating another) above this.
         repetition_max: f64 = 0.5,
+        /// One answer: rollout/answer_top_share (the most common answer's share over distinct
+        /// observations) at or above this.
+        one_answer_min: f64 = 1.0,
         /// Template collapse: compute RAGEN-2's mutual-information estimate every this many steps
         /// (0 = never). The trainer reads this; the monitor checks whatever echo/ values arrive.
         mi_every: usize = 5,
@@ -75,6 +78,7 @@ pub enum AlarmKind {
     EntropyRise,
     VanishingReasoning,
     Repetition,
+    OneAnswer,
     TemplateCollapse,
 }
 
@@ -87,6 +91,7 @@ impl AlarmKind {
             AlarmKind::EntropyRise => "entropy_rise",
             AlarmKind::VanishingReasoning => "vanishing_reasoning",
             AlarmKind::Repetition => "repetition",
+            AlarmKind::OneAnswer => "one_answer",
             AlarmKind::TemplateCollapse => "template_collapse",
         }
     }
@@ -420,6 +425,7 @@ pub const ALARM_KEYS: &[Key] = &[
     Key::Entropy,
     Key::ThinkLen,
     Key::Repetition,
+    Key::AnswerTopShare,
     Key::MiEstimate,
     Key::RetrievalAccuracy,
     Key::MiSamples,
@@ -429,13 +435,14 @@ pub const ALARM_KEYS: &[Key] = &[
 #[derive(Clone, Debug)]
 pub struct EchoTrapMonitor {
     settings: EchoSettings,
-    seen: [usize; 5],
+    seen: [usize; 6],
     cliff: (VarianceCliff, Latch),
     spike: (SpikeOverMedian, Latch),
     entropy_low: (FallBelowEarly, Latch),
     entropy_high: (SpikeOverMedian, Latch),
     think: (FallBelowEarly, Latch),
     repeat: Latch,
+    one_answer: Latch,
     template: Latch,
 }
 
@@ -443,7 +450,7 @@ impl EchoTrapMonitor {
     pub fn new(settings: EchoSettings) -> Self {
         let s = &settings;
         EchoTrapMonitor {
-            seen: [0; 5],
+            seen: [0; 6],
             cliff: (VarianceCliff::new(s), Latch::new(s.confirm_steps)),
             spike: (SpikeOverMedian::new(s.spike_factor, s.median_window), Latch::new(1)),
             entropy_low: (
@@ -456,6 +463,7 @@ impl EchoTrapMonitor {
                 Latch::new(s.confirm_steps),
             ),
             repeat: Latch::new(s.confirm_steps),
+            one_answer: Latch::new(s.confirm_steps),
             template: Latch::new(1),
             settings,
         }
@@ -524,6 +532,25 @@ impl EchoTrapMonitor {
             });
             emit(&mut self.repeat, AlarmKind::Repetition, f, armed);
         }
+        if let Some(share) = num(m, Key::AnswerTopShare) {
+            let armed = tick(5);
+            let limit = self.settings.one_answer_min;
+            let f = if share >= limit {
+                Finding {
+                    holds: true,
+                    value: share,
+                    threshold: limit,
+                    message: format!(
+                        "{:.0}% of the answers are the same one whatever the observation (threshold {:.0}%)",
+                        100.0 * share,
+                        100.0 * limit
+                    ),
+                }
+            } else {
+                Finding::quiet()
+            };
+            emit(&mut self.one_answer, AlarmKind::OneAnswer, f, armed);
+        }
         if let Some(f) = template_collapse(&self.settings, m) {
             // Sparse (every `mi_every` steps): no warm-up beyond having a matrix at all.
             emit(&mut self.template, AlarmKind::TemplateCollapse, f, true);
@@ -560,6 +587,22 @@ pub fn repetition<S: AsRef<str>>(responses: &[S]) -> f64 {
     }
     let dup = norm.iter().filter(|r| twice.contains(r.as_str())).count();
     dup as f64 / norm.len() as f64
+}
+
+/// The share of `answers` (each `(observation, answer)`) that are the most common answer, when
+/// the observations take at least 4 distinct values (`rollout/answer_top_share`); `None` when they
+/// do not, since one answer to one observation is no collapse.
+pub fn answer_top_share<O: AsRef<str>, A: AsRef<str>>(answers: &[(O, A)]) -> Option<f64> {
+    let observations: HashSet<&str> = answers.iter().map(|(o, _)| o.as_ref()).collect();
+    if observations.len() < 4 {
+        return None;
+    }
+    let mut counts: std::collections::HashMap<&str, usize> = Default::default();
+    for (_, a) in answers {
+        *counts.entry(a.as_ref()).or_default() += 1;
+    }
+    let top = counts.values().copied().max().unwrap_or(0);
+    Some(top as f64 / answers.len() as f64)
 }
 
 /// RAGEN-2's template-collapse estimate from a cross log-prob matrix.
@@ -777,6 +820,22 @@ mod tests {
         }));
         let got: Vec<(AlarmKind, u64)> = alarms.iter().map(|a| (a.kind, a.since)).collect();
         assert_eq!(got, vec![(AlarmKind::EntropyRise, 25), (AlarmKind::Repetition, 30)]);
+    }
+
+    #[test]
+    fn one_answer_whatever_the_observation_fires_and_a_varied_one_does_not() {
+        let pairs = |answers: &[&str]| -> Vec<(String, String)> {
+            answers.iter().enumerate().map(|(i, a)| (format!("light {i}"), a.to_string())).collect()
+        };
+        assert_eq!(answer_top_share(&pairs(&["Go", "Stop", "Go", "Go"])), Some(0.75));
+        assert_eq!(answer_top_share(&pairs(&["Go", "Go", "Go"])), None, "3 observations say nothing");
+        let same = [("a", "Go"), ("a", "Go"), ("a", "Go"), ("a", "Go"), ("a", "Go")];
+        assert_eq!(answer_top_share(&same), None, "one observation, one answer: no collapse");
+        // A healthy run answering by the observation, then one answer from step 20.
+        let alarms = run(&series(30, |s, _| vec![(Key::AnswerTopShare, if s >= 20 { 1.0 } else { 0.55 })]));
+        let got: Vec<(AlarmKind, u64, u64)> = alarms.iter().map(|a| (a.kind, a.since, a.step)).collect();
+        assert_eq!(got, vec![(AlarmKind::OneAnswer, 20, 21)], "confirmed over confirm_steps = 2");
+        assert!(alarms[0].message.contains("whatever the observation"), "{}", alarms[0].message);
     }
 
     #[test]

@@ -59,8 +59,13 @@ metric_keys! {
     ValidActionRate = "rollout/valid_action_rate",
     /// Share of turns whose response missed the required tags.
     FormatErrorRate = "rollout/format_error_rate",
-    /// Share of responses duplicating another in the batch.
+    /// Share of responses duplicating another in the batch, a response that is only a legal
+    /// answer left out of the duplicates (a small action space repeats by design).
     Repetition = "rollout/repetition",
+    /// Share of the turns with a legal answer that give the batch's most common one, where
+    /// the batch shows at least 4 distinct observations (absent otherwise): 1 is one answer
+    /// whatever the observation.
+    AnswerTopShare = "rollout/answer_top_share",
     /// 1 when the step had no reward variance and made no update, else 0.
     Skipped = "update/skipped",
     /// Policy-gradient (clipped surrogate) loss, mean over minibatches.

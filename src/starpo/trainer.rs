@@ -33,9 +33,9 @@ use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, Filter
 use super::update::{mean_entropies, update, Item, Models, UpdateStats};
 use crate::agent::engine::{HttpEngine, WeightSync};
 use crate::agent::pack::distinct_positions;
-use crate::agent::rollout::{groups, rollout, Plan, Trajectory};
+use crate::agent::rollout::{groups, rollout, Plan, Trajectory, TurnRecord};
 use crate::metrics::collapse::template_collapse;
-use crate::metrics::echo_trap::{record, repetition, EchoTrapMonitor, MutualInfo};
+use crate::metrics::echo_trap::{answer_top_share, record, repetition, EchoTrapMonitor, MutualInfo};
 use crate::metrics::keys::Key;
 use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
@@ -890,7 +890,7 @@ fn rollout_metrics(
     m.insert("time".into(), json!(now()));
     let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();
     let (mean, std) = super::normalize::mean_std(&scores);
-    let turns: Vec<&crate::agent::rollout::TurnRecord> = trajs.iter().flat_map(|t| &t.turns).collect();
+    let turns: Vec<&TurnRecord> = trajs.iter().flat_map(|t| &t.turns).collect();
     let nt = turns.len().max(1) as f64;
     let mean_of = |xs: &[f64]| if xs.is_empty() { 0.0 } else { xs.iter().sum::<f64>() / xs.len() as f64 };
     put(&mut m, Key::RewardMean, mean);
@@ -910,8 +910,17 @@ fn rollout_metrics(
         put(&mut m, Key::ValidActionRate, valid as f64 / parsed_actions as f64);
     }
     put(&mut m, Key::FormatErrorRate, turns.iter().filter(|t| !t.format_ok).count() as f64 / nt);
-    let responses: Vec<&str> = turns.iter().map(|t| t.response.as_str()).collect();
-    put(&mut m, Key::Repetition, repetition(&responses));
+    // A response that is only a legal answer repeats by design when the action space is small
+    // (two one-word answers): only the rest can duplicate, over all turns. Collapse onto one
+    // answer shows as one answer whatever the observation instead.
+    let answer_only = |t: &&&TurnRecord| t.think.is_none() && t.legal_answer();
+    let free: Vec<&str> = turns.iter().filter(|t| !answer_only(t)).map(|t| t.response.as_str()).collect();
+    put(&mut m, Key::Repetition, repetition(&free) * free.len() as f64 / nt);
+    let answers: Vec<(&str, String)> =
+        turns.iter().filter(|t| t.legal_answer()).map(|t| (t.obs.as_str(), t.actions.join(" || "))).collect();
+    if let Some(share) = answer_top_share(&answers) {
+        put(&mut m, Key::AnswerTopShare, share);
+    }
     m
 }
 
