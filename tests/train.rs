@@ -548,6 +548,7 @@ fn each_turn_is_constrained_to_the_states_legal_actions() {
     fs::write(p.path().join("scripts/phases.rhai"), experiment).unwrap();
     let mut c = train(p.path(), &["--env", "scripts/phases.rhai", "--steps", "1", "--run-dir", "runs/phases"]);
     c.args(["--set", "rollout.group_size=4", "--set", "rollout.response_length=24"]);
+    c.args(["--set", "stop.flat_steps=0"]);
     run_ok(c);
     let trajs = jsonl(&p.path().join("runs/phases/rollouts/step-000001.jsonl"));
     assert_eq!(trajs.len(), 8);
@@ -567,5 +568,36 @@ fn each_turn_is_constrained_to_the_states_legal_actions() {
             // The prompt lists the state's actions: all of turn 1's, and turn 2's where they differ.
             assert!(turn["user"].as_str().unwrap().contains(&legal.join(", ")), "{turn}");
         }
+    }
+}
+
+/// A run with nothing left to learn from ends (issue 31): every group alike for
+/// `stop.flat_steps` steps is `solved` when the episodes succeed (phases: constrained to legal
+/// answers, every episode wins), else `no_variance` with what to try; both checkpoint.
+#[test]
+fn flat_runs_stop_as_solved_or_with_no_variance() {
+    let p = project();
+    fs::write(p.path().join("envs/phases.rhai"), PHASES_ENV).unwrap();
+    let experiment = r#"fn experiment() { #{ env: "envs/phases.rhai", prompt: "prompts/ragen.rhai",
+        settings: #{ rollout: #{ think: false, constrain_actions: true, response_length: 24 } } } }"#;
+    fs::write(p.path().join("scripts/phases.rhai"), experiment).unwrap();
+    fs::write(p.path().join("rewards/flat.rhai"), "fn shape(turn, reward) { 0.0 }\n").unwrap();
+    let bandit = fs::read_to_string(p.path().join("scripts/bandit.rhai")).unwrap();
+    fs::write(p.path().join("scripts/flat.rhai"), bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai"))
+        .unwrap();
+    // (The flat reward scores every bandit episode 0 whatever the env's success says.)
+    for (script, kind) in [("scripts/phases.rhai", "solved"), ("scripts/flat.rhai", "no_variance")] {
+        let mut c = train(p.path(), &["--env", script, "--steps", "6", "--set", "stop.flat_steps=2"]);
+        c.args(["--set", "rollout.response_length=24", "--run-dir", "runs/flat"]);
+        let out = run_ok(c);
+        assert!(out.contains("stopped early"), "{out}");
+        let run = p.path().join("runs/flat");
+        assert_eq!(steps_of(&run), vec![1, 2], "{script}");
+        let events = jsonl(&run.join("events.jsonl"));
+        let stop = events.iter().find(|e| e["kind"] == "early_stop").expect("an early_stop event");
+        assert_eq!(stop["stop"].as_str(), Some(kind), "{stop}");
+        assert_eq!(stop["success"].as_f64().unwrap() >= 0.95, kind == "solved", "{stop}");
+        assert!(run.join("checkpoints/step-000002").exists());
+        fs::remove_dir_all(run).unwrap();
     }
 }

@@ -8,6 +8,10 @@
 //!    fall under `std_fraction` × baseline (RAGEN-2: 10 steps, 0.1).
 //! 3. Validation floor: `val/success` under `val_floor` for `val_count` validations in a row
 //!    (RAGEN-2: 0.01, 5).
+//!
+//! And one of ours, on by default: every group scored alike (no reward variance anywhere, so
+//! StarPO skips the update) for `flat_steps` steps in a row. The run has nothing left to learn
+//! from: it ends as `solved` when the episodes succeed, else as `no_variance`, saying what to try.
 use serde_json::{json, Map, Value};
 
 settings_section! {
@@ -26,6 +30,11 @@ settings_section! {
         val_count: usize = 0,
         /// The validation success floor.
         val_floor: f64 = 0.01,
+        /// Stop after this many steps in a row in which every group's episodes scored alike
+        /// (nothing to learn from); 0 = off.
+        flat_steps: usize = 5,
+        /// Such a run is `solved` when the last flat step's success rate reaches this.
+        solved_success: f64 = 0.95,
     }
 }
 
@@ -46,6 +55,7 @@ pub struct EarlyStop {
     early_stds: Vec<f64>,
     low_stds: Vec<f64>,
     low_vals: Vec<f64>,
+    flat_run: usize,
 }
 
 impl EarlyStop {
@@ -99,6 +109,40 @@ impl EarlyStop {
         })
     }
 
+    /// One step's flatness: the mean in-group reward std over all its groups, its success rate
+    /// and mean reward.
+    pub fn flat(&mut self, s: &Stop, in_group_std: f64, success: f64, reward: f64) -> Option<Stopped> {
+        self.flat_run = if in_group_std < 1e-9 { self.flat_run + 1 } else { 0 };
+        if s.flat_steps == 0 || self.flat_run < s.flat_steps {
+            return None;
+        }
+        let n = self.flat_run;
+        let numbers = fields(&[("steps", json!(n)), ("success", json!(success)), ("reward_mean", json!(reward))]);
+        Some(if success >= s.solved_success {
+            Stopped {
+                kind: "solved",
+                message: format!(
+                    "solved: every episode of every group scored the same for {n} steps in a row at success \
+                     {success:.2} (stop.flat_steps = {})",
+                    s.flat_steps
+                ),
+                fields: numbers,
+            }
+        } else {
+            Stopped {
+                kind: "no_variance",
+                message: format!(
+                    "no group's episodes scored differently for {n} steps in a row (success {success:.2}, \
+                     reward {reward:.3}): StarPO has nothing left to learn from. The policy gives the same \
+                     outcome every time: resume from an earlier checkpoint with a lower optim.lr, a higher \
+                     rollout.temperature or a larger rollout.group_size (stop.flat_steps = {})",
+                    s.flat_steps
+                ),
+                fields: numbers,
+            }
+        })
+    }
+
     /// One validation's success rate.
     pub fn validation(&mut self, s: &Stop, success: f64) -> Option<Stopped> {
         if success < s.val_floor {
@@ -128,7 +172,7 @@ mod tests {
     use super::*;
 
     fn on() -> Stop {
-        Stop { empty_steps: 2, std_steps: 2, std_fraction: 0.1, val_count: 2, val_floor: 0.01 }
+        Stop { empty_steps: 2, std_steps: 2, std_fraction: 0.1, val_count: 2, val_floor: 0.01, ..Stop::default() }
     }
 
     #[test]
@@ -163,9 +207,26 @@ mod tests {
         assert!(e.validation(&s, 0.5).is_none());
         assert!(e.validation(&s, 0.005).is_none());
         assert_eq!(e.validation(&s, 0.0).unwrap().kind, "low_validation_success");
-        let (off, mut e) = (Stop::default(), EarlyStop::default());
+        let (off, mut e) = (Stop { flat_steps: 0, ..Stop::default() }, EarlyStop::default());
         for _ in 0..50 {
             assert!(e.step(&off, true, 0.0).is_none() && e.validation(&off, 0.0).is_none());
+            assert!(e.flat(&off, 0.0, 0.0, 0.0).is_none());
         }
+    }
+
+    #[test]
+    fn flat_runs_end_as_solved_or_as_no_variance_and_variance_resets_them() {
+        let s = Stop { flat_steps: 3, ..Stop::default() };
+        let mut e = EarlyStop::default();
+        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none());
+        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none());
+        assert!(e.flat(&s, 0.2, 0.5, 0.5).is_none(), "a step with variance resets the count");
+        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none() && e.flat(&s, 1e-17, 1.0, 1.0).is_none());
+        let stop = e.flat(&s, 0.0, 1.0, 1.0).unwrap();
+        assert_eq!((stop.kind, stop.fields["steps"].clone()), ("solved", json!(3)));
+        let mut e = EarlyStop::default();
+        let stop = (0..3).filter_map(|_| e.flat(&s, 0.0, 0.19, 0.4)).next().unwrap();
+        assert_eq!(stop.kind, "no_variance");
+        assert!(stop.message.contains("success 0.19") && stop.message.contains("optim.lr"), "{}", stop.message);
     }
 }

@@ -486,6 +486,7 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
+        let (success, reward) = (Key::Success.get(&line).unwrap_or(0.0), Key::RewardMean.get(&line).unwrap_or(0.0));
         put(&mut line, Key::Skipped, f64::from(u8::from(skipped)));
         put(&mut line, Key::EmptyAfterFilter, f64::from(u8::from(kept.is_empty())));
         put(&mut line, Key::PolicyLag, lag as f64);
@@ -553,8 +554,10 @@ pub fn train(opts: Options) -> Result<Summary> {
         summary.last = Some(line);
         summary.last_step = step;
 
-        // 7. Validate. Then RAGEN-2's early stops (stop.*; off by default).
-        let mut stopped = stops.step(&s.stop, kept.is_empty(), stds.iter().sum::<f64>() / stds.len().max(1) as f64);
+        // 7. Validate. Then the early stops (stop.*; RAGEN-2's off by default, ours on flat runs).
+        let mean_std = stds.iter().sum::<f64>() / stds.len().max(1) as f64;
+        let ragen2 = stops.step(&s.stop, kept.is_empty(), mean_std);
+        let mut stopped = ragen2.or(stops.flat(&s.stop, mean_std, success, reward));
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
             while let Err(e) =
                 validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, (step, version), &mut summary)
