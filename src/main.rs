@@ -51,7 +51,12 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = ragen_lab::cli::Cli::parse();
-    if let Err(err) = ragen_lab::cli::run(cli) {
+    // Commands run scripts on this thread: give it the stack the script limits need (a bad
+    // RAGEN_LIMITS is reported by the command itself).
+    let limits = ragen_lab::script::Limits::from_env().unwrap_or_default();
+    let command = limits.spawn("ragen-lab", move || ragen_lab::cli::run(cli)).expect("starting the command's thread");
+    let result = command.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+    if let Err(err) = result {
         eprintln!("ragen-lab: {err:#}");
         std::process::exit(2);
     }

@@ -645,3 +645,65 @@ fn a_user_raises_a_limit_by_name_and_typos_are_named() {
     assert_eq!(call(tight()).unwrap_err().kind, ErrorKind::Size);
     assert_eq!(call(tight().with("max_string_size=3000000").unwrap()).unwrap().as_int(), Ok(2_000_000));
 }
+
+// ---- 8. native stack and extreme values (issue 27) ----------------------------------------------
+
+/// A command run to its end, or killed after `secs` (a hang is a failure, not a slow pass).
+fn run_for(mut c: Command, secs: u64) -> std::process::Output {
+    let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(secs) {
+            child.kill().unwrap();
+            panic!("{c:?} did not finish in {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn closure_chains_as_deep_as_memory_allows_are_an_error_in_every_command() {
+    // Each closure captures the last: built in linear time, dropped recursively. 16 MiB of them
+    // overflowed the 8 MiB main stack (the process aborted in check and play); now the command's
+    // thread has the stack its limits need and the call ends in the memory error, with its place.
+    let chain = ENV.replace(
+        "fn reset(seed, p) { #{ n: 0 } }",
+        "fn reset(seed, p) {\n  let f = |x| x;\n  loop { let g = f; f = |x| g.call(x); }\n}",
+    );
+    let dir = project(&[("envs/t.rhai", &chain)]);
+    for args in [&["check", "envs/t.rhai"][..], &["play", "--env", "envs/t.rhai", "--actions", "A"]] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ragen-lab"));
+        c.args(args).current_dir(dir.path());
+        c.env("RAGEN_LIMITS", "max_memory=16777216,max_operations=0,call_timeout_ms=60000");
+        let out = run_for(c, 120);
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stderr), String::from_utf8_lossy(&out.stdout));
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains("envs/t.rhai:2:") && text.contains("out of memory"), "{args:?}: {text}");
+    }
+}
+
+#[test]
+fn plot_and_view_handle_any_value_a_reward_may_return() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let values = [1e308, -1e308, f64::MAX, 1e-308, 0.0, -f64::MAX, 5e-324, 1.0];
+    let lines: String = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let line = serde_json::json!({"step": i + 1, "rollout/reward_mean": v, "rollout/reward_std": v.abs(),
+                "rollout/success": v, "update/grad_norm": v, "update/entropy": -v});
+            line.to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(run.join("metrics.jsonl"), lines).unwrap();
+    for args in [&["plot", "run"][..], &["view", "run"]] {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ragen-lab"));
+        c.args(args).current_dir(dir.path());
+        let out = run_for(c, 60);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(run.join("plots/overview.png").exists() && run.join("view/index.html").exists());
+}

@@ -138,6 +138,22 @@ fn step_label(x: f64) -> String {
     }
 }
 
+/// The largest magnitude drawn: beyond it a value sits at the edge, so that the window's width
+/// and padding stay finite (a reward may return ±1e308, and an infinite axis never ends its ticks).
+const AXIS_LIMIT: f64 = 1e300;
+
+fn on_axis(y: f64) -> f64 {
+    y.clamp(-AXIS_LIMIT, AXIS_LIMIT)
+}
+
+/// The y window around the data's range `(lo, hi)`: 6% padding, and a unit-sized window around a
+/// flat series (say a constant reward, with float dust).
+fn y_window((lo, hi): (f64, f64)) -> (f64, f64) {
+    let flat = hi - lo <= 1e-9 * lo.abs().max(hi.abs()).max(1.0);
+    let pad = if flat { 0.5 * lo.abs().max(1.0) } else { 0.06 * (hi - lo) };
+    (lo - pad, hi + pad)
+}
+
 /// Draws one panel on an area (any backend).
 fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, runs: &[Run], font: u32) -> Result<()> {
     let mut data = vec![]; // (run index, line index, points, band)
@@ -162,17 +178,21 @@ fn draw_panel<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, panel: &Panel, 
     let steps = data.iter().flat_map(|d| d.2.iter().map(|p| p.0));
     let (x0, x1) = steps.fold((u64::MAX, 0), |(a, b), s| (a.min(s), b.max(s)));
     let (x0, x1) = (x0 as f64, if x1 > x0 { x1 as f64 } else { x0 as f64 + 1.0 });
+    for d in &mut data {
+        d.2.iter_mut().for_each(|p| p.1 = on_axis(p.1));
+        d.3.iter_mut().for_each(|b| (b.1, b.2) = (on_axis(b.1), on_axis(b.2)));
+    }
     let ys = data.iter().flat_map(|d| d.2.iter().map(|p| p.1).chain(d.3.iter().flat_map(|b| [b.1, b.2])));
-    let (y0, y1) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
-    // A flat series (say a constant reward, with float dust) gets a unit-sized window around it.
-    let flat = y1 - y0 <= 1e-9 * y0.abs().max(y1.abs()).max(1.0);
-    let pad = if flat { 0.5 * y0.abs().max(1.0) } else { 0.06 * (y1 - y0) };
-    let (y0, y1) = (y0 - pad, y1 + pad);
+    let (y0, y1) = y_window(ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y))));
     let decimals = (-((y1 - y0) / 6.0).log10().floor()).clamp(0.0, 6.0) as usize;
     let y_label = move |v: &f64| {
         // No "-0.0": values that are zero at the axis' precision print as 0.
         let v = if v.abs() < 0.5 * 10f64.powi(-(decimals as i32)) { 0.0 } else { *v };
-        format!("{v:.decimals$}")
+        if v.abs() >= 1e7 {
+            format!("{v:.2e}")
+        } else {
+            format!("{v:.decimals$}")
+        }
     };
 
     let mut chart = ChartBuilder::on(area)
@@ -346,6 +366,15 @@ mod tests {
         let (x0, x1) = (1.0, if steps > 1 { steps as f64 } else { 2.0 });
         let axis: RangedCoordf64 = (x0..x1).into();
         axis.key_points(x_label_count(x0, x1)).into_iter().map(step_label).filter(|l| !l.is_empty()).collect()
+    }
+
+    #[test]
+    fn the_y_window_stays_finite_for_extreme_values() {
+        let (lo, hi) = y_window((on_axis(-1e308), on_axis(f64::MAX)));
+        assert!(lo.is_finite() && hi.is_finite() && lo < -1e300 && hi > 1e300, "{lo} {hi}");
+        assert_eq!(y_window((2.0, 2.0)), (1.0, 3.0), "a flat series gets a unit-sized window");
+        let (lo, hi) = y_window((1e-308, 2e-308));
+        assert!(lo < 1e-308 && hi > 2e-308 && hi - lo > 0.0);
     }
 
     #[test]

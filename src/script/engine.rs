@@ -73,6 +73,32 @@ impl Limits {
     /// `RAGEN_LIMITS="max_operations=50000000,call_timeout_ms=5000"`.
     pub const ENV: &'static str = "RAGEN_LIMITS";
 
+    /// Native stack for a thread that runs scripts under these limits. Rhai clones, measures
+    /// and drops nested values recursively, and a chain of closures, each capturing the last,
+    /// grows in linear time as deep as `max_memory` lets it (100k nested arrays are bounded by
+    /// `max_array_size` too). Measured on SmolLM2's build (2026-12-06): a chain holding 2 MiB
+    /// dropped fine on an 8 MiB stack and one holding 4 MiB overflowed it, so a level needs 2–4
+    /// times its heap bytes in stack; 8 times `max_memory` plus a base leaves a margin. Reserved,
+    /// not committed: only the pages a deep value touches are ever backed. Unlimited memory
+    /// (`max_memory=0`) gets the 4 GiB cap, which bounds nothing.
+    pub fn stack_bytes(&self) -> usize {
+        const BASE: usize = 64 << 20;
+        const CAP: usize = 4 << 30;
+        match self.max_memory {
+            0 => CAP,
+            m => m.saturating_mul(8).saturating_add(BASE).min(CAP),
+        }
+    }
+
+    /// Runs `f` on a new thread named `name` with the stack scripts under these limits need.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        name: &str,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::io::Result<std::thread::JoinHandle<T>> {
+        std::thread::Builder::new().name(name.into()).stack_size(self.stack_bytes()).spawn(f)
+    }
+
     /// The defaults with `RAGEN_LIMITS` applied (see [`Limits::with`]).
     pub fn from_env() -> Result<Self, String> {
         match std::env::var(Self::ENV) {

@@ -134,31 +134,30 @@ impl Watcher {
             WatchMode::Events => None,
         };
         let stop2 = stop.clone();
-        // Smoke tests run scripts here: give them the main thread's stack, not a worker's 2 MiB.
-        let worker =
-            std::thread::Builder::new().name("script-watcher".into()).stack_size(16 << 20).spawn(move || {
-                let mut entries = entries;
-                while !stop2.load(Ordering::Relaxed) {
-                    let got = match interval {
-                        Some(i) => match ticks.recv_timeout(i) {
-                            Ok(()) | Err(RecvTimeoutError::Timeout) => true,
-                            Err(RecvTimeoutError::Disconnected) => false,
-                        },
-                        None => ticks.recv().is_ok(),
-                    };
-                    if !got || stop2.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    while ticks.try_recv().is_ok() {}
-                    for e in entries.iter_mut() {
-                        if let Some(u) = recheck(&host, e) {
-                            if tx.send(u).is_err() {
-                                return;
-                            }
+        // Smoke tests run scripts here: give them the stack the limits need, not a worker's 2 MiB.
+        let worker = host.limits().clone().spawn("script-watcher", move || {
+            let mut entries = entries;
+            while !stop2.load(Ordering::Relaxed) {
+                let got = match interval {
+                    Some(i) => match ticks.recv_timeout(i) {
+                        Ok(()) | Err(RecvTimeoutError::Timeout) => true,
+                        Err(RecvTimeoutError::Disconnected) => false,
+                    },
+                    None => ticks.recv().is_ok(),
+                };
+                if !got || stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                while ticks.try_recv().is_ok() {}
+                for e in entries.iter_mut() {
+                    if let Some(u) = recheck(&host, e) {
+                        if tx.send(u).is_err() {
+                            return;
                         }
                     }
                 }
-            })?;
+            }
+        })?;
         Ok(Self { rx, stop, tick, worker: Some(worker), _events: events })
     }
 

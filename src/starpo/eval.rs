@@ -211,13 +211,14 @@ pub fn eval(opts: Options) -> Result<Summary> {
     let total = queue.len();
     let queue = Arc::new(Mutex::new(queue));
     let (tx, rx) = channel::<Result<Played>>();
-    let workers: Vec<_> = (0..opts.concurrency.min(total))
+    let workers: Vec<std::thread::JoinHandle<()>> = (0..opts.concurrency.min(total))
         .map(|_| {
             let (queue, tx, endpoint, host, exp, s) =
                 (queue.clone(), tx.clone(), endpoint.clone(), host.clone(), exp.clone(), s.clone());
             let params: Vec<_> = variants.iter().map(|v| v.2.clone()).collect();
             let (model, plain) = (opts.model.clone(), opts.plain_api);
-            std::thread::spawn(move || {
+            let script_limits = host.limits().clone();
+            script_limits.spawn("eval-worker", move || {
                 let scripts = match exp.scripts(&host) {
                     Ok(x) => x,
                     Err(e) => return drop(tx.send(Err(e.into()))),
@@ -233,7 +234,8 @@ pub fn eval(opts: Options) -> Result<Summary> {
                 }
             })
         })
-        .collect();
+        .collect::<std::io::Result<_>>()
+        .context("starting the eval workers")?;
     drop(tx);
     let bar = progress_bar(opts.progress, total as u64);
     let (mut latencies, mut prompt_tokens, mut completion_tokens, mut first_error) = (Vec::new(), 0, 0, None);
