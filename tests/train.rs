@@ -601,3 +601,36 @@ fn flat_runs_stop_as_solved_or_with_no_variance() {
         fs::remove_dir_all(run).unwrap();
     }
 }
+
+/// Turn-level GRPO through the trainer on a 3-turn env paying each right answer as it is given
+/// (envs/lights.rhai with `each_turn`): the update runs on per-turn advantages.
+#[test]
+fn turn_level_grpo_trains_a_multi_turn_env() {
+    let p = project();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    fs::copy(root.join("envs/lights.rhai"), p.path().join("envs/lights.rhai")).unwrap();
+    let experiment = r#"fn experiment() { #{ env: "envs/lights.rhai", prompt: "prompts/ragen.rhai",
+        params: #{ each_turn: true },
+        settings: #{ rollout: #{ think: false, constrain_actions: true }, starpo: #{ filter: "none" } } } }"#;
+    fs::write(p.path().join("scripts/lights.rhai"), experiment).unwrap();
+    let mut c = train(p.path(), &["--env", "scripts/lights.rhai", "--steps", "2", "--run-dir", "runs/turns"]);
+    c.args([
+        "--set",
+        "starpo.advantage=turn_grpo",
+        "--set",
+        "rollout.group_size=6",
+        "--set",
+        "rollout.response_length=24",
+    ]);
+    run_ok(c);
+    let run = p.path().join("runs/turns");
+    let lines = jsonl(&run.join("metrics.jsonl"));
+    assert!(
+        lines.iter().any(|m| m["update/skipped"] == 0.0 && m["update/grad_norm"].as_f64().unwrap() > 0.0),
+        "{lines:?}"
+    );
+    let trajs = jsonl(&run.join("rollouts/step-000001.jsonl"));
+    assert!(trajs.iter().all(|t| t["turns"].as_array().unwrap().len() == 3), "three turns each");
+    let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
+    assert_eq!(settings["settings"]["starpo"]["advantage"], "turn_grpo");
+}

@@ -54,12 +54,66 @@ pub fn outcome(
         let sum: f64 = xs.iter().sum();
         for (&i, &x) in members.iter().zip(&xs) {
             out[i] = match kind {
-                AdvantageKind::Grpo if norm_by_std => (x - mean) / (std + 1e-6),
-                AdvantageKind::Grpo | AdvantageKind::ReinforcePlusPlusBaseline => x - mean,
+                AdvantageKind::Grpo | AdvantageKind::TurnGrpo if norm_by_std => (x - mean) / (std + 1e-6),
+                AdvantageKind::Grpo | AdvantageKind::TurnGrpo | AdvantageKind::ReinforcePlusPlusBaseline => x - mean,
                 AdvantageKind::Rloo if xs.len() > 1 => (n * x - sum) / (n - 1.0),
                 AdvantageKind::Remax => x - baselines[g],
                 _ => x,
             };
+        }
+    }
+    out
+}
+
+/// Turn-level GRPO: for each episode, per turn k, its return-to-go Gₖ = Σ_{j≥k} rⱼ less the mean
+/// of Gₖ over the episodes of its group that reached turn k (over their std with `norm_by_std`;
+/// a turn only one episode reached gets Gₖ − 0, as GRPO treats a one-member group). A turn's
+/// answer is judged against the others' answers at the same point, and by what followed it,
+/// not by what came before it.
+///
+/// # Shapes
+/// `turn_rewards`: [N] lists of each episode's turn rewards; `groups`: [G] lists of indices →
+/// [N] lists of per-turn advantages.
+pub fn turn_grpo(turn_rewards: &[Vec<f64>], groups: &[Vec<usize>], norm_by_std: bool) -> Vec<Vec<f64>> {
+    let to_go: Vec<Vec<f64>> = turn_rewards
+        .iter()
+        .map(|r| {
+            let mut g = r.clone();
+            for k in (0..g.len().saturating_sub(1)).rev() {
+                g[k] += g[k + 1];
+            }
+            g
+        })
+        .collect();
+    let mut out: Vec<Vec<f64>> = to_go.clone();
+    for members in groups {
+        let turns = members.iter().map(|&i| to_go[i].len()).max().unwrap_or(0);
+        for k in 0..turns {
+            let at: Vec<usize> = members.iter().copied().filter(|&i| k < to_go[i].len()).collect();
+            let xs: Vec<f64> = at.iter().map(|&i| to_go[i][k]).collect();
+            let (mean, std) = if xs.len() > 1 { super::normalize::mean_std(&xs) } else { (0.0, 1.0) };
+            for (&i, &x) in at.iter().zip(&xs) {
+                out[i][k] = if norm_by_std { (x - mean) / (std + 1e-6) } else { x - mean };
+            }
+        }
+    }
+    out
+}
+
+/// Per-turn advantages on their turns' assistant tokens: turn k's tokens are the assistant
+/// tokens after turn k−1's end up to turn k's (`turn_ends`, ascending), 0 elsewhere.
+///
+/// # Shapes
+/// `advantages`: [K]; `turn_ends`: [K]; `mask`: [T] → [T].
+pub fn spread_turns(advantages: &[f32], turn_ends: &[usize], mask: &[bool]) -> Vec<f32> {
+    let mut out = vec![0.0; mask.len()];
+    let mut k = 0;
+    for (t, &on) in mask.iter().enumerate() {
+        while k < turn_ends.len() && turn_ends[k] < t {
+            k += 1;
+        }
+        if on && k < advantages.len() {
+            out[t] = advantages[k];
         }
     }
     out
@@ -187,6 +241,34 @@ mod tests {
         let (a, ret) = gae(&[0.0, 1.0], &[0.2, 0.4], 0.5, 0.5);
         close(&a, &[0.15, 0.6]);
         close(&ret, &[0.35, 1.0]);
+    }
+
+    #[test]
+    fn turn_grpo_judges_each_turn_by_what_followed_it_against_its_group() {
+        // A hand-made group of three 3-turn episodes, a reward after every turn:
+        // returns-to-go  a: [3, 2, 1]   b: [1, 1, 1]   c: [2, 1, 0]  → means [2, 4/3, 2/3].
+        let rewards = vec![vec![1.0, 1.0, 1.0], vec![0.0, 0.0, 1.0], vec![1.0, 1.0, 0.0]];
+        let adv = turn_grpo(&rewards, &[vec![0, 1, 2]], false);
+        let third = 1.0 / 3.0;
+        for (got, want) in adv.iter().zip([[1.0, 2.0 / 3.0, third], [-1.0, -third, third], [0.0, -third, -2.0 / 3.0]]) {
+            close(&got.iter().map(|&x| x as f32).collect::<Vec<_>>(), &want.map(|x| x as f32));
+        }
+        // The reward only at the end: every turn gets the episode's Dr. GRPO advantage.
+        let end = vec![vec![0.0, 0.0, 1.0], vec![0.0, 0.0, 0.0]];
+        assert_eq!(turn_grpo(&end, &[vec![0, 1]], false), vec![vec![0.5; 3], vec![-0.5; 3]]);
+        // A turn only one episode reached keeps its return-to-go; std division as GRPO's.
+        let ragged = vec![vec![1.0, 1.0], vec![0.0]];
+        assert_eq!(turn_grpo(&ragged, &[vec![0, 1]], false), vec![vec![1.0, 1.0], vec![-1.0]]);
+        let normed = turn_grpo(&end, &[vec![0, 1]], true);
+        // (GRPO's sample std: of [1, 0] it is √½.)
+        assert!((normed[0][0] - 0.5 / (0.5f64.sqrt() + 1e-6)).abs() < 1e-9, "{normed:?}");
+    }
+
+    #[test]
+    fn spread_turns_puts_each_turns_advantage_on_its_own_tokens() {
+        // user 0-1, turn 1 on 2-3 (end 3), user 4, turn 2 on 5-6 (end 6), user 7.
+        let mask = [false, false, true, true, false, true, true, false];
+        close(&spread_turns(&[0.5, -1.0], &[3, 6], &mask), &[0.0, 0.0, 0.5, 0.5, 0.0, -1.0, -1.0, 0.0]);
     }
 
     #[test]

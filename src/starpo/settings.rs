@@ -141,6 +141,10 @@ pub enum AdvantageKind {
     Grpo,
     /// Turn-level GAE between turn ends, then token-level GAE inside each turn (needs a critic).
     BiLevelGae,
+    /// Turn-level GRPO (no critic): each turn's tokens get its return-to-go (its reward and the
+    /// later turns') less the mean of its group's episodes at the same turn, over their std with
+    /// `norm_adv_by_std_in_grpo`. With the reward only at the end it is GRPO.
+    TurnGrpo,
     /// REINFORCE++: the score's discounted return on each assistant token, whitened over the batch.
     ReinforcePlusPlus,
     /// REINFORCE++ with the group mean as baseline: R − μ, whitened over the batch.

@@ -23,7 +23,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Map, Value};
 
-use super::advantage::outcome;
+use super::advantage::{outcome, turn_grpo};
 use super::early_stop::{EarlyStop, Stopped};
 use super::filter::{group_metric, group_stds, select};
 use super::normalize::{norm_groups, normalize, normalizer};
@@ -411,10 +411,19 @@ pub fn train(opts: Options) -> Result<Summary> {
             })
             .collect();
         let adv = outcome(s.starpo.advantage, &normed, &members, &baselines, s.starpo.norm_adv_by_std_in_grpo);
+        let turn_adv = match s.starpo.advantage {
+            AdvantageKind::TurnGrpo => {
+                let rewards: Vec<Vec<f64>> = trajs.iter().map(|t| t.turns.iter().map(|u| u.reward).collect()).collect();
+                turn_grpo(&rewards, &members, s.starpo.norm_adv_by_std_in_grpo)
+            }
+            _ => vec![Vec::new(); trajs.len()],
+        };
         let whitened =
             matches!(s.starpo.advantage, AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline);
         let flat = |x: f64| if whitened { x == adv[kept[0]] } else { x == 0.0 };
-        let no_signal = !kept.is_empty() && !s.needs_critic() && kept.iter().all(|&i| flat(adv[i]));
+        let no_signal = !kept.is_empty()
+            && !s.needs_critic()
+            && kept.iter().all(|&i| flat(adv[i]) && turn_adv[i].iter().all(|&x| x == 0.0));
         if kept.is_empty() {
             let msg = format!(
                 "the filter kept no group ({:?} of {:?}): update skipped",
@@ -432,7 +441,16 @@ pub fn train(opts: Options) -> Result<Summary> {
             Vec::new()
         } else {
             kept.iter()
-                .map(|&i| Item { packed: &trajs[i].packed, score: adv[i] as f32, adv_scale: scales[i] as f32 })
+                .map(|&i| {
+                    // The packed sequence shows the last turns (a context window drops early ones).
+                    let shown = &turn_adv[i][turn_adv[i].len().saturating_sub(trajs[i].packed.turn_ends.len())..];
+                    Item {
+                        packed: &trajs[i].packed,
+                        score: adv[i] as f32,
+                        turn_scores: shown.iter().map(|&x| x as f32).collect(),
+                        adv_scale: scales[i] as f32,
+                    }
+                })
                 .collect()
         };
         let models = Models {
@@ -666,7 +684,7 @@ fn adv_scales(
         FilterLossScaling::Sqrt => kept_share.sqrt(),
     };
     let mut out = vec![base; trajs.len()];
-    if sp.advantage != AdvantageKind::Grpo {
+    if !matches!(sp.advantage, AdvantageKind::Grpo | AdvantageKind::TurnGrpo) {
         return out;
     }
     if sp.soft_advantage_reweight {

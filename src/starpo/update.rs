@@ -14,7 +14,7 @@ use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 
-use super::advantage::{bi_level_gae, gae, spread, whiten};
+use super::advantage::{bi_level_gae, gae, spread, spread_turns, whiten};
 use super::loss::{agg_share, clipped_surrogate, kl, seq_mean_token_mean, value_loss};
 use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings};
@@ -29,6 +29,8 @@ use crate::rng::Rng;
 pub struct Item<'a> {
     pub packed: &'a Packed,
     pub score: f32,
+    /// Turn-level GRPO: the advantage of each turn the packed sequence shows (else empty).
+    pub turn_scores: Vec<f32>,
     pub adv_scale: f32,
 }
 
@@ -316,6 +318,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 sp.high_level_gamma as f32,
             ),
             AdvantageKind::ReinforcePlusPlus => (spread(it.score, &p.mask, sp.gamma as f32), vec![0.0; p.ids.len()]),
+            AdvantageKind::TurnGrpo => (spread_turns(&it.turn_scores, &p.turn_ends, &p.mask), vec![0.0; p.ids.len()]),
             _ => (spread(it.score, &p.mask, 1.0), vec![0.0; p.ids.len()]),
         };
         adv.push(a);
