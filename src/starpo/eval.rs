@@ -23,11 +23,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::rundir::RunDir;
+use super::progress::progress_bar;
+use super::rundir::{append_line, RunDir};
 use super::trainer::{resolve_settings, solver_agreement, trajectory_line};
 use super::{settings::Preset, Settings};
 use crate::agent::rollout::{Play, Reply, Turns, Versions};
@@ -237,7 +237,7 @@ pub fn eval(opts: Options) -> Result<Summary> {
         .collect::<std::io::Result<_>>()
         .context("starting the eval workers")?;
     drop(tx);
-    let bar = progress_bar(opts.progress, total as u64);
+    let bar = progress_bar(opts.progress, "episodes", total as u64);
     let (mut latencies, mut prompt_tokens, mut completion_tokens, mut first_error) = (Vec::new(), 0, 0, None);
     for played in rx {
         match played {
@@ -330,16 +330,6 @@ fn open_run_dir(path: &Path, record: &Value) -> Result<RunDir> {
         }
     }
     Ok(RunDir::reopen(path, 0)?)
-}
-
-fn append_line(path: &Path, line: &Value) -> Result<()> {
-    use std::io::Write;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    writeln!(f, "{line}").with_context(|| format!("writing {}", path.display()))
 }
 
 /// Plays one episode against the endpoint.
@@ -446,17 +436,4 @@ fn summarize(key: &str, lines: &[Value]) -> VariantSummary {
         response_tokens_mean: turns.iter().filter_map(|u| u["response_tokens"].as_f64()).sum::<f64>() / t,
         solver_agreement: solver_agreement(lines),
     }
-}
-
-fn progress_bar(show: bool, total: u64) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(
-        Some(total),
-        if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
-    );
-    if let Ok(style) =
-        ProgressStyle::with_template("{spinner} episodes {pos}/{len} [{elapsed_precise} < {eta_precise}]")
-    {
-        bar.set_style(style);
-    }
-    bar
 }

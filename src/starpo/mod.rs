@@ -12,6 +12,7 @@ pub mod loss;
 pub mod normalize;
 pub mod optim;
 pub mod policy_bench;
+pub mod progress;
 pub mod rundir;
 pub mod settings;
 pub mod sft;

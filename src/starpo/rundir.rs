@@ -38,7 +38,8 @@ fn read_jsonl(path: &Path) -> Vec<Value> {
     fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
-fn append_line(path: &Path, v: &Value) -> Result<()> {
+/// Appends `v` as one line of a JSONL file.
+pub fn append_line(path: &Path, v: &Value) -> Result<()> {
     let mut f = OpenOptions::new()
         .create(true)
         .append(true)

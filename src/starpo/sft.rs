@@ -23,11 +23,11 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::backprop::GradStore;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use serde_json::json;
 
 use super::optim::AdamW;
+use super::progress::progress_bar;
 use super::rundir::write_atomic;
 use super::settings::{Optim, Preset, Settings};
 use super::trainer::{resolve_settings, DEFAULT_MODEL};
@@ -162,7 +162,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
     // 1. Demonstrations: the solver plays one episode per seed, turn by turn as the rollout does.
     let first_seed = opts.seed.unwrap_or(s.rollout.seed_base);
     let seeds: Vec<u64> = (first_seed..first_seed + opts.episodes as u64).collect();
-    let bar = progress_bar(opts.progress, seeds.len() as u64, "demonstrations");
+    let bar = progress_bar(opts.progress, "demonstrations", seeds.len() as u64);
     let (demos, stats) = demonstrations(&policy, &scripts, &params, &seeds, &s.rollout, |st| {
         bar.set_position((st.episodes + st.unsolvable) as u64);
     })?;
@@ -185,7 +185,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
 
     // 3. Epochs × shuffled mini-batches.
     let per_epoch = seqs.len().div_ceil(s.optim.mini_batch_size.max(1));
-    let bar = progress_bar(opts.progress, (opts.epochs * per_epoch) as u64, "sft step");
+    let bar = progress_bar(opts.progress, "sft step", (opts.epochs * per_epoch) as u64);
     let (mut step_loss, mut step_grad_norm) = (Vec::new(), Vec::new());
     let mut optimizer_step = 0u64;
     let epoch_loss =
@@ -341,17 +341,6 @@ fn passes(
             Ok((tb, mask))
         })
         .collect()
-}
-
-fn progress_bar(show: bool, total: u64, what: &str) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(
-        Some(total),
-        if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
-    );
-    let template = format!("{{spinner}} {what} {{pos}}/{{len}} [{{elapsed_precise}} < {{eta_precise}}] {{msg}}");
-    bar.set_style(ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar()));
-    bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    bar
 }
 
 impl Summary {

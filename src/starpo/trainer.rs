@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
 
 use super::advantage::{outcome, turn_grpo};
@@ -28,6 +28,7 @@ use super::early_stop::{EarlyStop, Stopped};
 use super::filter::{group_metric, group_stds, select};
 use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
+use super::progress::progress_bar;
 use super::rundir::{now, peak_rss_mb, RunDir};
 use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings, Starpo};
 use super::update::{mean_entropies, update, Item, Models, UpdateStats};
@@ -267,7 +268,8 @@ pub fn train(opts: Options) -> Result<Summary> {
     let mut echo = EchoTrapMonitor::new(s.echo.clone());
     let n_params = policy.model.cfg.num_params() as f64;
     let total = s.train.steps as u64;
-    let bar = progress_bar(opts.progress, start_step, total);
+    let bar = progress_bar(opts.progress, "step", total);
+    bar.set_position(start_step);
     let mut summary = Summary {
         run_dir: run.path.clone(),
         first_step: start_step + 1,
@@ -1019,21 +1021,6 @@ fn headline(m: &Map<String, Value>) -> String {
         g(Key::Entropy),
         g(Key::ResponseLen)
     )
-}
-
-fn progress_bar(show: bool, start: u64, total: u64) -> ProgressBar {
-    let bar = ProgressBar::with_draw_target(
-        Some(total),
-        if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
-    );
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} step {pos}/{len} [{elapsed_precise} < {eta_precise}] {msg}")
-            .map_err(|e| anyhow!("{e}"))
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_position(start);
-    bar.enable_steady_tick(std::time::Duration::from_millis(200));
-    bar
 }
 
 impl Summary {
