@@ -12,7 +12,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use ragen_lab::agent::engine::{HttpEngine, WeightSync, ADAPTER_NAME};
-use ragen_lab::agent::rollout::Rollout;
+use ragen_lab::agent::settings::Rollout;
 use ragen_lab::policy::constrain::AnswerGrammar;
 use ragen_lab::policy::GenerationConfig;
 use ragen_lab::rng::Rng;

@@ -50,13 +50,19 @@ fn ident_at(s: &str) -> &str {
 
 /// The first-segment modules named after each `crate::` in `text`.
 pub fn imported_modules(text: &str) -> Vec<String> {
+    segments_after(text, "crate::")
+}
+
+/// The first path segments named after each `prefix` (`crate::`, `super::`, `crate::agent::`)
+/// in `text`, grouped ones too.
+fn segments_after(text: &str, prefix: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = text;
-    while let Some(i) = rest.find("crate::") {
+    while let Some(i) = rest.find(prefix) {
         let before = &rest[..i];
-        rest = &rest[i + "crate::".len()..];
+        rest = &rest[i + prefix.len()..];
         // `$crate::` (a macro) is the same crate; anything else ending in an ident char is
-        // another path (`my_crate::`), not ours.
+        // another path (`my_crate::`, `self::super::`), not ours.
         if before.ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
             continue;
         }
@@ -147,4 +153,111 @@ fn imports_point_only_down_the_floors() {
 fn the_reader_sees_plain_grouped_inline_and_macro_paths() {
     let text = "use crate::script::{A, B};\nuse crate::{agent::x, policy::{y, z}};\nlet a = crate::starpo::f();\n$crate::view::g\nother_crate::cli::h";
     assert_eq!(imported_modules(text), ["script", "agent", "policy", "starpo", "view"]);
+}
+
+/// Circles between the files of one folder that are known and still to be broken (issue 27):
+/// lora's functions over the whole `Decoder` sit beside the adapter `model` holds, and `kernels`
+/// reaches `model::project`. The test fails on any other circle, and when one of these is gone
+/// (so the list only shrinks).
+const KNOWN_CIRCLES: &[&[&str]] = &[&["policy/kernels", "policy/lora", "policy/model"]];
+
+/// Each file's imports of its sibling files (`super::x`, `crate::<folder>::x`), test modules left
+/// out: `folder/file` → the siblings it names.
+fn sibling_imports(src: &Path) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut graph = std::collections::BTreeMap::new();
+    for dir in std::fs::read_dir(src).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_dir()) {
+        let folder = dir.file_name().unwrap().to_string_lossy().to_string();
+        let mut files = Vec::new();
+        rust_files(&dir, &mut files);
+        let stem = |p: &Path| p.file_stem().unwrap().to_string_lossy().to_string();
+        let siblings: Vec<String> = files.iter().map(|f| stem(f)).filter(|s| s != "mod").collect();
+        for file in &files {
+            let name = stem(file);
+            let text = std::fs::read_to_string(file).unwrap();
+            let text = &text[..text.find("#[cfg(test)]").unwrap_or(text.len())];
+            let code: String = text.lines().map(|l| format!("{}\n", strip_comments(l))).collect();
+            let mut named = segments_after(&code, "super::");
+            named.extend(segments_after(&code, &format!("crate::{folder}::")));
+            named.retain(|n| *n != name && siblings.contains(n));
+            named.sort();
+            named.dedup();
+            graph.insert(format!("{folder}/{name}"), named.into_iter().map(|n| format!("{folder}/{n}")).collect());
+        }
+    }
+    graph
+}
+
+/// The strongly connected sets of more than one node (Tarjan), each sorted, in sorted order.
+fn circles(graph: &std::collections::BTreeMap<String, Vec<String>>) -> Vec<Vec<String>> {
+    struct Walk<'a> {
+        graph: &'a std::collections::BTreeMap<String, Vec<String>>,
+        index: std::collections::HashMap<&'a str, (usize, usize)>,
+        stack: Vec<&'a str>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit<'a>(w: &mut Walk<'a>, v: &'a str) {
+        let n = w.index.len();
+        w.index.insert(v, (n, n));
+        w.stack.push(v);
+        for u in w.graph.get(v).into_iter().flatten() {
+            let low = match w.index.get(u.as_str()) {
+                None => {
+                    visit(w, u);
+                    w.index[u.as_str()].1
+                }
+                Some(&(i, _)) if w.stack.contains(&u.as_str()) => i,
+                Some(_) => continue,
+            };
+            let entry = w.index.get_mut(v).unwrap();
+            entry.1 = entry.1.min(low);
+        }
+        let (i, low) = w.index[v];
+        if i == low {
+            let at = w.stack.iter().position(|x| *x == v).unwrap();
+            let mut set: Vec<String> = w.stack.drain(at..).map(String::from).collect();
+            if set.len() > 1 {
+                set.sort();
+                w.out.push(set);
+            }
+        }
+    }
+    let mut w = Walk { graph, index: Default::default(), stack: vec![], out: vec![] };
+    for v in graph.keys() {
+        if !w.index.contains_key(v.as_str()) {
+            visit(&mut w, v);
+        }
+    }
+    w.out.sort();
+    w.out
+}
+
+#[test]
+fn no_file_imports_a_file_of_its_folder_that_imports_it_back() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = sibling_imports(&src);
+    assert!(graph.get("agent/engine").is_some_and(|d| d.contains(&"agent/settings".to_string())), "{graph:?}");
+    let found = circles(&graph);
+    let known: Vec<Vec<String>> = KNOWN_CIRCLES.iter().map(|c| c.iter().map(|s| s.to_string()).collect()).collect();
+    let new: Vec<_> = found.iter().filter(|c| !known.contains(c)).collect();
+    assert!(new.is_empty(), "files of one folder that import each other (through the others listed): {new:?}");
+    let gone: Vec<_> = known.iter().filter(|c| !found.contains(c)).collect();
+    assert!(gone.is_empty(), "known circles no longer there: take them off KNOWN_CIRCLES: {gone:?}");
+}
+
+#[test]
+fn circles_are_found_through_any_number_of_files() {
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().push(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    };
+    assert!(circles(&graph(&[("a", "b"), ("b", "c"), ("a", "c")])).is_empty());
+    assert_eq!(circles(&graph(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])), vec![vec!["a", "b", "c"]]);
+    assert_eq!(circles(&graph(&[("x", "y"), ("y", "x"), ("p", "q"), ("q", "p")])).len(), 2);
+    let code = "use super::{env::{A, B}, error::E};\nuse crate::script::turn::T;\nlet x = self_super::nope;";
+    assert_eq!(segments_after(code, "super::"), ["env", "error"]);
+    assert_eq!(segments_after(code, "crate::script::"), ["turn"]);
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use ragen_lab::agent::engine::HttpEngine;
-use ragen_lab::agent::rollout::Rollout;
+use ragen_lab::agent::settings::Rollout;
 use ragen_lab::policy::resolve::{ModelLocation, Resolver};
 use ragen_lab::policy::{GenerationConfig, Policy, TokenBatch};
 use ragen_lab::rng::Rng;

@@ -17,7 +17,8 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::pack::Packed;
-use super::rollout::{Play, Reply, Rollout, TurnRecord, Turns};
+use super::rollout::{Play, Reply, TurnRecord, Turns};
+use super::settings::Rollout;
 use crate::policy::Policy;
 use crate::script::ExperimentScripts;
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use super::rollout::Rollout;
+use super::settings::Rollout;
 use crate::policy::{Finish, Generation, GenerationConfig};
 use crate::remote::client::Refused;
 use crate::remote::wire::{

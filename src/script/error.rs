@@ -5,7 +5,13 @@ use std::path::Path;
 
 use rhai::{EvalAltResult, Position};
 
-use super::sandbox::{STOP_MEMORY, STOP_OPERATIONS, STOP_PANIC, STOP_TIME};
+/// Why the progress callback stopped a call: the `ErrorTerminated` token, read back by
+/// `ScriptError::from_eval` to tell the kinds apart.
+pub(crate) const STOP_TIME: &str = "time";
+pub(crate) const STOP_MEMORY: &str = "memory";
+pub(crate) const STOP_OPERATIONS: &str = "operations";
+/// Prefix of the token of a caught panic (the panic message follows).
+pub(crate) const STOP_PANIC: &str = "panic: ";
 
 /// What went wrong, for callers that branch on it (and tests that assert it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -44,16 +44,18 @@ macro_rules! script_role {
 
 mod engine;
 mod error;
+mod limits;
 pub mod memory;
 mod resolver;
 mod rng_module;
 mod sandbox;
 mod stdlib;
 
-pub use engine::{project_of, Host, Limits, Script, SCRIPT_ROOTS};
+pub use engine::{project_of, Host, Script};
 pub use error::{display_path, printable, ErrorKind, ScriptError};
+pub use limits::Limits;
 pub use memory::Counted;
-pub use resolver::{confine, read_script, MAX_IMPORT_DEPTH};
+pub use resolver::{confine, read_script, MAX_IMPORT_DEPTH, SCRIPT_ROOTS};
 mod env;
 pub mod params;
 
@@ -65,7 +67,7 @@ mod reward;
 
 pub use experiment::{Experiment, ExperimentScripts};
 pub use prompt::{PromptScript, TurnContext};
-pub use reward::{shape_all, RewardScript};
+pub use reward::{apply_and_shape, shape_all, RewardScript};
 pub mod validate;
 mod watch;
 

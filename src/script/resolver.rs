@@ -10,8 +10,10 @@ use std::path::{Component, Path, PathBuf};
 
 use rhai::{Engine, EvalAltResult, Module, ModuleResolver, Position, Scope};
 
-use super::engine::SCRIPT_ROOTS;
 use super::error::display_path;
+
+/// The folders under the project directory that hold scripts; imports may only name files here.
+pub const SCRIPT_ROOTS: [&str; 4] = ["envs", "prompts", "rewards", "scripts"];
 
 /// Imports nested deeper than this are refused (each level is a Rhai evaluation on the stack).
 pub const MAX_IMPORT_DEPTH: usize = 8;

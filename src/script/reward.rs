@@ -1,12 +1,14 @@
 //! Reward shaping as scripts ([`RewardScript`]): `fn shape(turn, reward)` gets the parsed turn
 //! (think, answer, actions, invalid_actions, format_ok, response, and `env_actions`: the env's
 //! action names, empty for free-text envs) and the reward so far, and returns the shaped reward.
-//! An experiment chains several, in order ([`shape_all`]).
+//! An experiment chains several, in order ([`shape_all`]); [`apply_and_shape`] plays a turn and
+//! shapes its reward.
 use rhai::Dynamic;
 
 use super::env::{reward_value, to_dynamic};
+use super::env::{Episode, StepOutcome};
 use super::error::{ErrorKind, ScriptError};
-use super::turn::ParsedTurn;
+use super::turn::{apply_turn, Applied, ParsedTurn};
 
 script_role! {
     /// One compiled reward-shaping script. Cheap to clone.
@@ -31,4 +33,19 @@ pub fn shape_all(
     env_reward: f64,
 ) -> Result<f64, ScriptError> {
     scripts.iter().try_fold(env_reward, |r, s| s.shape(turn, env_actions, r))
+}
+
+/// [`apply_turn`], then the turn reward: the env reward through the reward scripts in order
+/// (`env_actions`: the env's action names, which the scripts see as `turn.env_actions`).
+pub fn apply_and_shape(
+    ep: &mut Episode,
+    turn: &ParsedTurn,
+    max_actions: usize,
+    rewards: &[RewardScript],
+    env_actions: &[String],
+    on_step: impl FnMut(&Episode, &str, &StepOutcome) -> Result<(), ScriptError>,
+) -> Result<(Applied, f64), ScriptError> {
+    let applied = apply_turn(ep, turn, max_actions, on_step)?;
+    let reward = shape_all(rewards, turn, env_actions, applied.env_reward)?;
+    Ok((applied, reward))
 }

@@ -13,17 +13,9 @@ use std::time::Instant;
 
 use rhai::{Array, Blob, Dynamic, EvalAltResult, FnPtr, ImmutableString, Map, Position};
 
-use super::engine::Limits;
-use super::error::{printable_cut, ErrorKind};
+use super::error::{printable_cut, ErrorKind, STOP_MEMORY, STOP_OPERATIONS, STOP_PANIC, STOP_TIME};
+use super::limits::Limits;
 use super::memory;
-
-/// Why the progress callback stopped a call: the `ErrorTerminated` token, read back by
-/// `ScriptError::from_eval` to tell the kinds apart.
-pub(crate) const STOP_TIME: &str = "time";
-pub(crate) const STOP_MEMORY: &str = "memory";
-pub(crate) const STOP_OPERATIONS: &str = "operations";
-/// Prefix of the token of a caught panic (the panic message follows).
-pub(crate) const STOP_PANIC: &str = "panic: ";
 
 /// The budget of the call running on this thread.
 struct Budget {

@@ -14,7 +14,6 @@ use serde::{Deserialize, Serialize};
 
 use super::env::{EnvInfo, Episode, StepOutcome};
 use super::error::ScriptError;
-use super::reward::{shape_all, RewardScript};
 
 /// The separator between actions in one answer.
 pub const ACTION_SEP: &str = "||";
@@ -216,21 +215,6 @@ pub fn apply_turn(
     }
     out.done = ep.done || ep.steps >= max_actions;
     Ok(out)
-}
-
-/// [`apply_turn`], then the turn reward: the env reward through the reward scripts in order
-/// (`env_actions`: the env's action names, which the scripts see as `turn.env_actions`).
-pub fn apply_and_shape(
-    ep: &mut Episode,
-    turn: &ParsedTurn,
-    max_actions: usize,
-    rewards: &[RewardScript],
-    env_actions: &[String],
-    on_step: impl FnMut(&Episode, &str, &StepOutcome) -> Result<(), ScriptError>,
-) -> Result<(Applied, f64), ScriptError> {
-    let applied = apply_turn(ep, turn, max_actions, on_step)?;
-    let reward = shape_all(rewards, turn, env_actions, applied.env_reward)?;
-    Ok((applied, reward))
 }
 
 #[cfg(test)]

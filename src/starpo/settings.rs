@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::early_stop::Stop;
-pub use crate::agent::rollout::Rollout;
+pub use crate::agent::settings::Rollout;
 use crate::metrics::echo_trap::EchoSettings;
 
 /// How trajectory scores are normalised within their group before advantages (RAGEN
