@@ -329,7 +329,7 @@ fn open_run_dir(path: &Path, record: &Value) -> Result<RunDir> {
             );
         }
     }
-    Ok(RunDir::reopen(path, 0)?)
+    RunDir::reopen(path, 0)
 }
 
 /// Plays one episode against the endpoint.
@@ -374,7 +374,7 @@ fn play(
                 include_stop_str_in_output: (!plain).then_some(true),
                 // `ragen-lab serve` constrains the answer as the local sampler does; other
                 // engines ignore the field.
-                answer_grammar: (!plain && r.constrain_actions && !names.is_empty()).then(|| AnswerSpec {
+                answer_grammar: (!plain && r.constrain_actions && !names.is_empty()).then_some(AnswerSpec {
                     actions: names,
                     max_actions: turns.limits.max_actions_per_turn,
                     starts_inside: !r.think,
