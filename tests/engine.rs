@@ -12,7 +12,7 @@ use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use ragen_lab::agent::engine::{HttpEngine, WeightSync, ADAPTER_NAME};
-use ragen_lab::agent::settings::Rollout;
+use ragen_lab::agent::settings::{Backend, Rollout};
 use ragen_lab::policy::constrain::AnswerGrammar;
 use ragen_lab::policy::GenerationConfig;
 use ragen_lab::rng::Rng;
@@ -210,7 +210,7 @@ fn recording_engine() -> (String, Arc<Mutex<Vec<(String, String, Value)>>>) {
 #[test]
 fn weight_sync_calls_the_engines_routes_with_their_bodies_in_order() {
     let (url, seen) = recording_engine();
-    let s = Rollout { backend: "http".into(), endpoints: format!("{url}/v1"), ..Rollout::default() };
+    let s = Rollout { backend: Backend::Http, endpoints: format!("{url}/v1"), ..Rollout::default() };
     let mut engine = HttpEngine::connect(&s).unwrap();
     let cfg = GenerationConfig {
         max_new_tokens: 16,

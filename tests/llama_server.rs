@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use ragen_lab::agent::engine::HttpEngine;
-use ragen_lab::agent::settings::Rollout;
+use ragen_lab::agent::settings::{Backend, Rollout};
 use ragen_lab::policy::resolve::{ModelLocation, Resolver};
 use ragen_lab::policy::{GenerationConfig, Policy, TokenBatch};
 use ragen_lab::rng::Rng;
@@ -75,7 +75,7 @@ fn the_rollout_client_reads_llama_servers_ids_and_logprobs_and_its_sampling_is_o
     let Some(bin) = server_binary() else { return };
     let (gguf, policy) = smollm2();
     let server = start(&bin, &gguf);
-    let s = Rollout { backend: "http".into(), endpoints: format!("{}/v1", server.1), ..Rollout::default() };
+    let s = Rollout { backend: Backend::Http, endpoints: format!("{}/v1", server.1), ..Rollout::default() };
     let engine = HttpEngine::connect(&s).unwrap();
     let msgs = [ragen_lab::policy::Message::user("Name three colours. Answer in <answer></answer>.")];
     let mut prompt = policy.chat_tokens(&msgs, true).unwrap().ids;

@@ -1,5 +1,16 @@
 //! The `rollout` settings section: how many episodes, how long, how they are sampled and shown
 //! to the model. Its own file so that the engines and the rollout both read it from below.
+use serde::{Deserialize, Serialize};
+
+/// Who generates a rollout's replies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// This process's sampler, on the trainer's own weights.
+    Local,
+    /// Inference engines at `rollout.endpoints`, weights pushed after every update.
+    Http,
+}
 
 settings_section! {
     /// Rollout: how many episodes, how long, how they are sampled and shown to the model.
@@ -50,7 +61,7 @@ settings_section! {
         /// Who generates: "local" (this process's sampler) or "http" (inference engines at
         /// `rollout.endpoints`: `ragen-lab serve`, vLLM, SGLang; token ids end to end, weights
         /// pushed after every update; see docs/scale.md).
-        backend: String = "local".to_string(),
+        backend: Backend = Backend::Local,
         /// With backend "http": the engines' URLs, comma-separated (`http://host:8000/v1,…`).
         endpoints: String = String::new(),
         /// With backend "http": the base model's name at the engines ("" = the first listed).

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::early_stop::Stop;
-pub use crate::agent::settings::Rollout;
+pub use crate::agent::settings::{Backend, Rollout};
 use crate::metrics::echo_trap::EchoSettings;
 
 /// How trajectory scores are normalised within their group before advantages (RAGEN
@@ -489,14 +489,13 @@ impl Settings {
     pub fn validate(&self) -> Result<()> {
         let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
         let st = &self.stop;
-        let checks: [(bool, &str); 23] = [
-            (r.backend == "local" || r.backend == "http", "rollout.backend must be \"local\" or \"http\""),
+        let checks: [(bool, &str); 22] = [
             (
-                r.backend == "local" || r.think_budget == 0,
+                r.backend == Backend::Local || r.think_budget == 0,
                 "rollout.think_budget acts inside the local sampler: set it to 0 with rollout.backend = \"http\"",
             ),
             (
-                r.max_policy_lag == 0 || r.backend == "http",
+                r.max_policy_lag == 0 || r.backend == Backend::Http,
                 "rollout.max_policy_lag > 0 overlaps the rollout with the update, which needs rollout.backend = \"http\" (the local sampler shares the trainer's weights and cores)",
             ),
             (

@@ -30,7 +30,9 @@ use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
 use super::progress::progress_bar;
 use super::rundir::{now, peak_rss_mb, RunDir};
-use super::settings::{AdvantageKind, Algo, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings, Starpo};
+use super::settings::{
+    AdvantageKind, Algo, Backend, FilterKind, FilterLossScaling, FilterMetric, Preset, Settings, Starpo,
+};
 use super::update::{mean_entropies, update, Item, Models, UpdateStats};
 use crate::agent::engine::{HttpEngine, WeightSync};
 use crate::agent::pack::distinct_positions;
@@ -300,9 +302,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         };
     // Generation on inference engines: they get the policy's weights before the first rollout
     // (whatever an earlier run left there), and again after every update.
-    let mut engine = match s.rollout.backend.as_str() {
-        "http" => Some(HttpEngine::connect(&s.rollout)?),
-        _ => None,
+    let mut engine = match s.rollout.backend {
+        Backend::Http => Some(HttpEngine::connect(&s.rollout)?),
+        Backend::Local => None,
     };
     if let Some(e) = engine.as_mut() {
         sync_engine(e, &policy, &run, start_step).context("pushing the policy's weights to the engines")?;
