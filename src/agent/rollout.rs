@@ -282,8 +282,6 @@ pub fn rollout(
         top_p: s.top_p,
         top_k: s.top_k,
         stop_strings: vec!["</answer>".into()],
-        // Per row and turn below: each episode's state's legal actions (`valid_actions`).
-        constraint: None,
         forcing: match (s.think, s.think_budget) {
             (true, n) if n > 0 => {
                 Some(Forcing { after: n, unless: "</think>".into(), ids: policy.encode_plain(FORCED)? })
@@ -307,7 +305,7 @@ pub fn rollout(
     for turn in 1..=max_turns {
         // 1. Prompts of every live episode.
         let mut batch = Vec::new(); // (episode index, prompt ids, (obs, user text))
-        let mut row_constraints = Vec::new(); // each row's legal actions, under constrain_actions
+        let mut row_constraints = Vec::new(); // under constrain_actions: each row's legal actions
         for (i, ep) in live.iter_mut().enumerate().filter(|(_, e)| !e.done) {
             let Some(open) = turns.open(policy, scripts, &ep.episode, &mut ep.history, turn, ep.prev_reward, s)? else {
                 ep.done = true;
@@ -322,7 +320,7 @@ pub fn rollout(
         if batch.is_empty() {
             break;
         }
-        gen_cfg.row_constraints = std::mem::take(&mut row_constraints);
+        gen_cfg.row_constraints = row_constraints;
         // 2. All live episodes generate together, each continuing from what the model computed
         // for it last turn (the new prompt repeats the old one and the reply).
         let prompts: Vec<Vec<u32>> = batch.iter().map(|b| b.1.clone()).collect();

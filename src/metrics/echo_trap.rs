@@ -54,8 +54,8 @@ settings_section! {
         /// Repetition: rollout/repetition (share of responses duplicating another) above this.
         repetition_max: f64 = 0.5,
         /// One answer: rollout/answer_top_share (the most common answer's share over distinct
-        /// observations) at or above this.
-        one_answer_min: f64 = 1.0,
+        /// observations) above this.
+        one_answer_max: f64 = 0.99,
         /// Template collapse: compute RAGEN-2's mutual-information estimate every this many steps
         /// (0 = never). The trainer reads this; the monitor checks whatever echo/ values arrive.
         mi_every: usize = 5,
@@ -375,7 +375,7 @@ impl FallBelowEarly {
     }
 }
 
-/// A value above a fixed limit (repetition share).
+/// A value above a fixed limit (repetition share, one answer's share).
 fn above(x: f64, limit: f64, message: impl FnOnce() -> String) -> Finding {
     if x > limit {
         Finding { holds: true, value: x, threshold: limit, message: message() }
@@ -534,21 +534,14 @@ impl EchoTrapMonitor {
         }
         if let Some(share) = num(m, Key::AnswerTopShare) {
             let armed = tick(5);
-            let limit = self.settings.one_answer_min;
-            let f = if share >= limit {
-                Finding {
-                    holds: true,
-                    value: share,
-                    threshold: limit,
-                    message: format!(
-                        "{:.0}% of the answers are the same one whatever the observation (threshold {:.0}%)",
-                        100.0 * share,
-                        100.0 * limit
-                    ),
-                }
-            } else {
-                Finding::quiet()
-            };
+            let limit = self.settings.one_answer_max;
+            let f = above(share, limit, || {
+                format!(
+                    "{:.0}% of the answers are the same one whatever the observation (threshold {:.0}%)",
+                    100.0 * share,
+                    100.0 * limit
+                )
+            });
             emit(&mut self.one_answer, AlarmKind::OneAnswer, f, armed);
         }
         if let Some(f) = template_collapse(&self.settings, m) {

@@ -57,7 +57,7 @@ impl Limits {
     /// Native stack for a thread that runs scripts under these limits. Rhai clones, measures
     /// and drops nested values recursively, and a chain of closures, each capturing the last,
     /// grows in linear time as deep as `max_memory` lets it (100k nested arrays are bounded by
-    /// `max_array_size` too). Measured on SmolLM2's build (2026-12-06): a chain holding 2 MiB
+    /// `max_array_size` too). Measured on this project's release build (2026-12-06): a chain holding 2 MiB
     /// dropped fine on an 8 MiB stack and one holding 4 MiB overflowed it, so a level needs 2–4
     /// times its heap bytes in stack; 8 times `max_memory` plus a base leaves a margin. Reserved,
     /// not committed: only the pages a deep value touches are ever backed. Unlimited memory

@@ -508,7 +508,9 @@ pub fn train(opts: Options) -> Result<Summary> {
 
         // 6. Log.
         let mut line = rollout_metrics(step, &trajs, &members, &stds, &kept_groups);
-        let (success, reward) = (Key::Success.get(&line).unwrap_or(0.0), Key::RewardMean.get(&line).unwrap_or(0.0));
+        // What the stops read (step 7), before the line is handed on.
+        let logged = |k: Key| k.get(&line).unwrap_or(0.0);
+        let (mean_std, success, reward) = (logged(Key::InGroupStd), logged(Key::Success), logged(Key::RewardMean));
         put(&mut line, Key::Skipped, f64::from(u8::from(skipped)));
         put(&mut line, Key::EmptyAfterFilter, f64::from(u8::from(kept.is_empty())));
         put(&mut line, Key::PolicyLag, lag as f64);
@@ -529,12 +531,13 @@ pub fn train(opts: Options) -> Result<Summary> {
         put(&mut line, Key::Tokens, (rollout_tokens + stats.tokens) as f64);
         put(&mut line, Key::TokensComputed, clocks.tokens as f64);
         let packed: Vec<&[u32]> = trajs.iter().map(|t| t.packed.ids.as_slice()).collect();
-        put(&mut line, Key::TokensUnique, distinct_positions(&packed) as f64);
+        let unique = distinct_positions(&packed);
+        put(&mut line, Key::TokensUnique, unique as f64);
         // Rough: 2·N per token forward (rollout), 6·N per token forward + backward (update).
         put(&mut line, Key::Flops, 2.0 * n_params * rollout_tokens as f64 + 6.0 * n_params * stats.tokens as f64);
         let cfg = &policy.model.cfg;
         let sampled: usize = trajs.iter().flat_map(|t| &t.turns).map(|u| u.response_tokens).sum();
-        put(&mut line, Key::FloorFlopsRollout, cfg.forward_flops(distinct_positions(&packed), sampled));
+        put(&mut line, Key::FloorFlopsRollout, cfg.forward_flops(unique, sampled));
         if !skipped {
             let kept_ids: Vec<&[u32]> = kept.iter().map(|&i| packed[i]).collect();
             let scored: usize = kept.iter().map(|&i| trajs[i].packed.assistant_tokens()).sum();
@@ -577,7 +580,6 @@ pub fn train(opts: Options) -> Result<Summary> {
         summary.last_step = step;
 
         // 7. Validate. Then the early stops (stop.*; RAGEN-2's off by default, ours on flat runs).
-        let mean_std = stds.iter().sum::<f64>() / stds.len().max(1) as f64;
         let ragen2 = stops.step(&s.stop, kept.is_empty(), mean_std);
         let mut stopped = ragen2.or(stops.flat(&s.stop, mean_std, success, reward));
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
