@@ -114,7 +114,7 @@ fn token_scores_match_log_softmax_gather_and_entropy_in_values_and_gradients() {
         let z = Var::from_tensor(&(random(&[n, v], &mut rng) * 3.0).unwrap()).unwrap();
         let targets: Vec<u32> = (0..n).map(|_| (rng.next_f64() * v as f64) as u32 % v as u32).collect();
         let weights = random(&[n, 2], &mut rng);
-        let ours = token_scores(z.as_tensor(), &targets, true).unwrap();
+        let ours = token_scores(z.as_tensor(), &targets, &[], true).unwrap();
         // The composite the policy used before: log-softmax, gather, −Σ p log p.
         let logp = candle_nn::ops::log_softmax(z.as_tensor(), D::Minus1).unwrap();
         let tgt = Tensor::from_vec(targets.clone(), (n, 1), &Device::Cpu).unwrap();
@@ -127,12 +127,51 @@ fn token_scores_match_log_softmax_gather_and_entropy_in_values_and_gradients() {
         let g_theirs = (&theirs * &weights).unwrap().sum_all().unwrap().backward().unwrap();
         let d = max_abs_diff(g_ours.get(z.as_tensor()).unwrap(), g_theirs.get(z.as_tensor()).unwrap());
         assert!(d < 1e-5, "{n}x{v}: gradients differ by {d}");
-        let plain = token_scores(z.as_tensor(), &targets, false).unwrap();
+        let plain = token_scores(z.as_tensor(), &targets, &[], false).unwrap();
         assert_eq!(max_abs_diff(&plain, &ours), 0.0);
     }
     let z = Tensor::zeros((2, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
-    assert!(token_scores(&z, &[0], false).unwrap_err().to_string().contains("1 targets for 2 rows"));
-    assert!(token_scores(&z, &[0, 4], false).unwrap_err().to_string().contains("target 4 outside"));
+    assert!(token_scores(&z, &[0], &[], false).unwrap_err().to_string().contains("1 targets for 2 rows"));
+    assert!(token_scores(&z, &[0, 4], &[], false).unwrap_err().to_string().contains("target 4 outside"));
+    let off_list = [Some(std::sync::Arc::from(vec![1u32, 2])), None];
+    let err = token_scores(&z, &[0, 1], &off_list, false).unwrap_err().to_string();
+    assert!(err.contains("target 0 is not among its allowed tokens"), "{err}");
+}
+
+/// A constrained position scores the distribution renormalised over its allowed tokens: the
+/// composite with every other logit pushed to −1e30, in values and gradients (which are 0 off
+/// the list); an unconstrained row beside it is scored as before.
+#[test]
+fn token_scores_over_allowed_tokens_match_the_masked_composite() {
+    let mut rng = Rng::new(29);
+    let (n, v) = (3, 40);
+    let z = Var::from_tensor(&(random(&[n, v], &mut rng) * 3.0).unwrap()).unwrap();
+    let allowed: Vec<Option<std::sync::Arc<[u32]>>> =
+        vec![Some(vec![3u32, 7, 11].into()), None, Some(vec![5u32, 30].into())];
+    let targets = [7u32, 12, 30];
+    let weights = random(&[n, 2], &mut rng);
+    let ours = token_scores(z.as_tensor(), &targets, &allowed, true).unwrap();
+    let bias: Vec<f32> = (0..n * v)
+        .map(|i| match &allowed[i / v] {
+            Some(ids) if !ids.contains(&((i % v) as u32)) => -1e30,
+            _ => 0.0,
+        })
+        .collect();
+    let masked = (z.as_tensor() + Tensor::from_vec(bias, (n, v), &Device::Cpu).unwrap()).unwrap();
+    let logp = candle_nn::ops::log_softmax(&masked, D::Minus1).unwrap();
+    let tgt = Tensor::from_vec(targets.to_vec(), (n, 1), &Device::Cpu).unwrap();
+    let lp = logp.gather(&tgt, 1).unwrap();
+    let ent = (logp.exp().unwrap() * &logp).unwrap().sum_keepdim(1).unwrap().neg().unwrap();
+    let theirs = Tensor::cat(&[lp, ent], 1).unwrap();
+    let d = max_abs_diff(&ours, &theirs);
+    assert!(d < 1e-4, "values differ by {d}");
+    let g_ours = (&ours * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+    let g_theirs = (&theirs * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+    let (go, gt) = (g_ours.get(z.as_tensor()).unwrap(), g_theirs.get(z.as_tensor()).unwrap());
+    let d = max_abs_diff(go, gt);
+    assert!(d < 1e-5, "gradients differ by {d}");
+    let row0 = go.get(0).unwrap().to_vec1::<f32>().unwrap();
+    assert!(row0.iter().enumerate().all(|(j, &g)| [3, 7, 11].contains(&j) || g == 0.0), "{row0:?}");
 }
 
 #[test]

@@ -610,6 +610,49 @@ fn score_only_scores_the_trained_positions_and_split_keeps_the_packing() {
     }
 }
 
+/// A restricted position is scored over its allowed tokens: restricted to its own token it has
+/// log-prob 0 and entropy 0, restricted to the whole vocabulary it scores as before; a packed
+/// tree keeps apart two rows that share the position but restrict it differently.
+#[test]
+fn restricted_positions_score_over_their_allowed_tokens_rows_and_tree_alike() {
+    let p = load("tiny-llama");
+    let (seqs, first_reply) = tree_group(&p);
+    let vocab: std::sync::Arc<[u32]> = (0..p.model.cfg.vocab_size as u32).collect();
+    // Row 0 restricted to its own token at each reply position; row 4 (its copy) free; row 1 over
+    // the whole vocabulary.
+    let allowed: Vec<Vec<Option<std::sync::Arc<[u32]>>>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(r, s)| {
+            (0..s.len())
+                .map(|t| match (r, t >= first_reply) {
+                    (0, true) => Some(vec![s[t]].into()),
+                    (1, true) => Some(vocab.clone()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[Option<std::sync::Arc<[u32]>>]> = allowed.iter().map(Vec::as_slice).collect();
+    let free = TokenBatch::new(&seqs, p.pad_id).unwrap();
+    let base = p.token_logprobs_no_grad(&free).unwrap();
+    for batch in [free.clone(), free.clone().as_tree()] {
+        let packed = batch.tree.is_some();
+        let got = p.token_logprobs_no_grad(&batch.restrict(&refs)).unwrap();
+        let (lp, ent) = (got.logprobs.to_vec2::<f32>().unwrap(), got.entropy.to_vec2::<f32>().unwrap());
+        let (blp, bent) = (base.logprobs.to_vec2::<f32>().unwrap(), base.entropy.to_vec2::<f32>().unwrap());
+        for t in first_reply..seqs[0].len() {
+            assert!(lp[0][t].abs() < 1e-6 && ent[0][t].abs() < 1e-6, "tree {packed}: row 0 at {t}");
+            assert!((lp[4][t] - blp[4][t]).abs() < 1e-5, "tree {packed}: the free copy at {t}");
+            assert!(blp[4][t] < -1e-3, "a random model is unsure");
+        }
+        for t in first_reply..seqs[1].len() {
+            let d = (lp[1][t] - blp[1][t]).abs().max((ent[1][t] - bent[1][t]).abs());
+            assert!(d < 1e-4, "tree {packed}: the whole vocabulary at {t} differs by {d}");
+        }
+    }
+}
+
 /// Gradients of a PPO-like loss on the replies for the policy and of a value loss for the critic.
 fn reply_grads(p: &Policy, critic: &Critic, b: &TokenBatch, first_reply: usize) -> Vec<(String, Tensor)> {
     let lens = b.lengths.clone();

@@ -559,6 +559,11 @@ fn each_turn_is_constrained_to_the_states_legal_actions() {
     assert!((0.25..=0.5).contains(&share), "{share}");
     // 16 one-word answers from 2 per turn repeat by design: that is no repetition.
     assert_eq!(metrics[0]["rollout/repetition"], 0.0, "{}", metrics[0]);
+    // The update scores the answers over the tokens their grammar allowed: a random model's
+    // entropy there is a few nats at most, over its whole vocabulary near ln V (only the
+    // template's end-of-turn id is scored free).
+    let entropy = metrics[0]["update/entropy"].as_f64().unwrap();
+    assert!(entropy < 0.7 * (49152f64).ln(), "entropy {entropy}: the answers were scored over the whole vocabulary");
     for t in &trajs {
         let turns = t["turns"].as_array().unwrap();
         assert_eq!(turns.len(), 2, "{t}");

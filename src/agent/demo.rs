@@ -117,7 +117,7 @@ pub fn demonstrations(
             let text = answer_text(&path[..take], &path, s.think);
             let tokens = policy.encode_plain(&text)?.len();
             stats.over_response_length += usize::from(tokens > s.response_length);
-            let reply = Reply { text, tokens, forced: false, sampled: None, verbatim: None };
+            let reply = Reply { text, tokens, forced: false, sampled: None, verbatim: None, grammar: None };
             play.take_reply(&turns, scripts, s, turn, (open.obs, open.user), reply, |t| {
                 Ok(policy.encode_plain(t)?.len())
             })?;

@@ -6,6 +6,8 @@
 use anyhow::{bail, Result};
 
 use super::history::History;
+use crate::policy::constrain::AnswerGrammar;
+use crate::policy::kernels::Allowed;
 use crate::policy::{ChatTokens, Policy};
 
 /// One trajectory as the update sees it (empty for an episode played over HTTP: no tokens).
@@ -22,6 +24,9 @@ pub struct Packed {
     /// The generating engine's log-prob of each token it sampled (NaN where unknown), [T]; empty
     /// when the policy itself generated (the update then has nothing to correct).
     pub rollout_logprobs: Vec<f32>,
+    /// Where the reply was a constrained answer: the tokens the sampler could draw at each
+    /// position (the update scores those positions over them), [T]; empty when none was.
+    pub allowed: Vec<Allowed>,
 }
 
 impl Packed {
@@ -42,7 +47,30 @@ impl Packed {
             turn_ends: ends,
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
             rollout_logprobs: Vec::new(),
+            allowed: Vec::new(),
         })
+    }
+
+    /// Each visible turn's reply, after the opening tag `tag` it was sampled after (the whole
+    /// assistant run where `tag` is empty): positions `from..=end`, or `None` where the turn
+    /// does not hold the tag. In turn order.
+    fn replies(&self, tag: &[u32]) -> Vec<Option<std::ops::RangeInclusive<usize>>> {
+        self.turn_ends
+            .iter()
+            .map(|&end| {
+                let mut start = end;
+                while start > 0 && self.mask[start - 1] {
+                    start -= 1;
+                }
+                // The tag out of the loss already (`unscore_tags`): it stands right before.
+                if !tag.is_empty() && start >= tag.len() && self.ids[start - tag.len()..start] == *tag {
+                    return Some(start..=end);
+                }
+                let run = &self.ids[start..=end];
+                let at = if tag.is_empty() { Some(0) } else { run.windows(tag.len()).position(|w| w == tag) };
+                at.map(|at| start + at + tag.len()..=end)
+            })
+            .collect()
     }
 
     /// Places the engine's log-probs of each turn's sampled ids (`sampled`: the last turns, in
@@ -53,19 +81,50 @@ impl Packed {
     /// engine saw, so those tokens keep NaN and get no correction.
     pub fn set_rollout_logprobs(&mut self, sampled: &[(Vec<u32>, Vec<f32>)], tag: &[u32]) {
         let mut out = vec![f32::NAN; self.ids.len()];
-        for (&end, (ids, lps)) in self.turn_ends.iter().rev().zip(sampled.iter().rev()) {
-            let mut start = end;
-            while start > 0 && self.mask[start - 1] {
-                start -= 1;
-            }
-            let run = &self.ids[start..=end];
-            let at = if tag.is_empty() { Some(0) } else { run.windows(tag.len()).position(|w| w == tag) };
-            let Some(at) = at else { continue };
-            let from = start + at + tag.len();
-            let agree = self.ids[from..=end].iter().zip(ids).zip(lps).take_while(|((a, b), _)| a == b).count();
+        for (reply, (ids, lps)) in self.replies(tag).into_iter().rev().zip(sampled.iter().rev()) {
+            let Some(reply) = reply else { continue };
+            let from = *reply.start();
+            let agree = self.ids[reply].iter().zip(ids).zip(lps).take_while(|((a, b), _)| a == b).count();
             out[from..from + agree].copy_from_slice(&lps[..agree]);
         }
         self.rollout_logprobs = out;
+    }
+
+    /// Takes each visible turn's opening tag `tag` out of the loss: the generation prompt
+    /// wrote it, the model did not sample it (only what it sampled is trained).
+    pub fn unscore_tags(&mut self, tag: &[u32]) {
+        for reply in self.replies(tag).into_iter().flatten() {
+            let from = *reply.start();
+            self.mask[from - tag.len()..from].fill(false);
+        }
+    }
+
+    /// Marks the tokens of each constrained answer with the tokens its grammar allowed there
+    /// (`grammars`: the last turns', in order, the last one the last visible turn's; `None`
+    /// where a turn was free; `token_texts`: each id's text). The grammar reads the reply as
+    /// packed, from the opening tag `tag` on, as the sampler read it; a token off the grammar
+    /// (a reply kept as written) and everything after it stay unrestricted, as the sampler left
+    /// such a row free.
+    pub fn set_allowed(&mut self, grammars: &[Option<AnswerGrammar>], tag: &[u32], token_texts: &[String]) {
+        let mut out: Vec<Allowed> = vec![None; self.ids.len()];
+        for (reply, grammar) in self.replies(tag).into_iter().rev().zip(grammars.iter().rev()) {
+            let (Some(reply), Some(grammar)) = (reply, grammar) else { continue };
+            let mut text = String::new();
+            for t in reply {
+                let id = self.ids[t] as usize;
+                let mask = grammar.answer_part(&text).and_then(|a| grammar.allowed_tokens(a, token_texts));
+                match mask {
+                    Some(mask) if mask.get(id) == Some(&true) => {
+                        out[t] = Some((0..mask.len() as u32).filter(|&j| mask[j as usize]).collect());
+                    }
+                    // Outside the answer yet (think mode): free, and the grammar reads on.
+                    None if grammar.answer_part(&text).is_none() => {}
+                    _ => break,
+                }
+                text.push_str(token_texts.get(id).map_or("", String::as_str));
+            }
+        }
+        self.allowed = if out.iter().any(Option::is_some) { out } else { Vec::new() };
     }
 
     /// A finished episode's chat as the model last saw it (the context window: the last `window`
@@ -161,6 +220,39 @@ mod tests {
         // No opening tag in the turn: nothing is placed.
         p.set_rollout_logprobs(&sampled, &[42]);
         assert!(p.rollout_logprobs.iter().all(|x| x.is_nan()));
+        // The tags leave the loss, and the replies are still found after them.
+        p.unscore_tags(&[10]);
+        assert_eq!(p.mask.iter().filter(|&&m| m).count(), 2 + 3);
+        assert!(!p.mask[1] && !p.mask[6] && p.mask[2] && p.mask[7]);
+        p.set_rollout_logprobs(&sampled, &[10]);
+        assert_eq!(p.rollout_logprobs[2], -0.5);
+    }
+
+    #[test]
+    fn constrained_answers_are_marked_with_the_tokens_their_grammar_allowed() {
+        let texts: Vec<String> =
+            ["", "<answer>", "red", "blue", "</answer>", "r", "ed", "x", "<|im_end|>"].map(String::from).to_vec();
+        // Three turns after the tag `<answer>` (1): "red" | "r" "ed" | "x" (off the grammar),
+        // each closed by the template's end-of-turn id 8.
+        let ids = vec![0, 1, 2, 4, 8, 0, 1, 5, 6, 4, 8, 0, 1, 7, 4, 8];
+        let assistant: Vec<bool> = ids.iter().map(|&i| i != 0).collect();
+        let chat = ChatTokens { ids: ids.clone(), assistant_mask: assistant.clone(), scored: assistant };
+        let mut p = Packed::new(chat, &[0.0, 0.0, 1.0]).unwrap();
+        let g = AnswerGrammar::new(&["red".into(), "blue".into()], 1, true);
+        p.set_allowed(&[g.clone(), g.clone(), g.clone()], &[1], &texts);
+        let got: Vec<Option<Vec<u32>>> = p.allowed.iter().map(|a| a.as_deref().map(<[u32]>::to_vec)).collect();
+        let first = Some(vec![2, 3, 5]);
+        let close = Some(vec![4]);
+        #[rustfmt::skip]
+        let want = [None, None, first.clone(), close.clone(), None,
+                    None, None, first, Some(vec![6]), close, None,
+                    None, None, None, None, None];
+        assert_eq!(got, want);
+        // A free turn is left alone; no constrained turn at all leaves nothing.
+        p.set_allowed(&[g.clone(), None, None], &[1], &texts);
+        assert_eq!(p.allowed.iter().filter(|a| a.is_some()).count(), 2);
+        p.set_allowed(&[None], &[1], &texts);
+        assert!(p.allowed.is_empty());
     }
 
     #[test]

@@ -129,6 +129,8 @@ pub struct Play {
     pub truncated: bool,
     /// Each turn's sampled ids and the engine's log-probs (rollouts on HTTP engines only).
     pub sampled: Vec<(Vec<u32>, Vec<f32>)>,
+    /// Each turn's answer grammar (`None`: sampled freely).
+    pub grammars: Vec<Option<AnswerGrammar>>,
     /// Record the solver's move every turn ([`Plan::ask_solver`]).
     pub ask_solver: bool,
 }
@@ -145,6 +147,8 @@ pub struct Reply {
     /// The opening tag's and the reply's ids as sampled (`Policy::verbatim_ids`): a reply kept
     /// as written (its format failed) stands in the chat as these, not re-tokenized.
     pub verbatim: Option<Vec<u32>>,
+    /// The grammar the answer was sampled under (`rollout.constrain_actions`).
+    pub grammar: Option<AnswerGrammar>,
 }
 
 impl Play {
@@ -169,6 +173,7 @@ impl Play {
             done: false,
             truncated: false,
             sampled: Vec::new(),
+            grammars: Vec::new(),
             ask_solver: false,
         })
     }
@@ -205,14 +210,19 @@ impl Play {
         )?;
         self.actions_valid += applied.valid_steps();
         self.success |= applied.success;
+        // The history keeps the reply re-serialised (RAGEN), but as sampled where its format
+        // failed, and where it was a constrained answer (the grammar's canonical text is the
+        // re-serialised one): the update then scores the very tokens the sampler drew.
         let mut message = Message::assistant(parsed.reserialize());
         if reply.forced {
             message.unscored = message.content.find(FORCED).map(|i| (i, i + FORCED.len()));
-        } else if parsed.answer.is_none() {
+        } else if parsed.answer.is_none() || (reply.grammar.is_some() && reply.verbatim.is_some()) {
+            message.content = parsed.opened.clone();
             message.ids = reply.verbatim;
         }
         self.history.push_reply(message);
         self.sampled.extend(reply.sampled);
+        self.grammars.push(reply.grammar);
         self.prev_reward = Some(reward);
         self.done = applied.done || turn == turns.max_turns;
         let think_tokens = match &parsed.think {
@@ -340,14 +350,15 @@ pub fn rollout(
             }
         }
         // 3. Parse, step, shape.
-        for ((i, _, opened), gen) in batch.into_iter().zip(gens) {
+        let grammars = std::mem::take(&mut gen_cfg.row_constraints);
+        for (((i, _, opened), gen), grammar) in batch.into_iter().zip(gens).zip(grammars.into_iter().chain(std::iter::repeat(None))) {
             // Under constrain_actions the engine's log-probs are of the masked distribution, and
             // at a temperature other than 1 of a tempered one (vLLM's raw ones are not): neither
             // compares with the policy's, so no importance correction uses them.
             let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
             let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
             let verbatim = policy.verbatim_ids(&open_tag, &format!("{}{}", turns.open_tag, gen.text), &gen.ids);
-            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim };
+            let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim, grammar };
             live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
         }
     }
@@ -365,6 +376,10 @@ pub fn rollout(
                 let from = if s.context_window > 0 && k > s.context_window { k - 1 } else { 0 };
                 packed.set_rollout_logprobs(&ep.sampled[from..], &open_tag);
             }
+            if s.constrain_actions {
+                packed.set_allowed(&ep.grammars, &open_tag, &policy.token_texts());
+            }
+            packed.unscore_tags(&open_tag);
             Ok(ep.finish(system, &versions, packed))
         })
         .collect()

@@ -1,16 +1,17 @@
 //! Constrained answers (`rollout.constrain_actions`): inside `<answer>`, only tokens that keep
 //! the answer a prefix of a well-formed action list may be sampled — `A`, `A || B`, … (at most
-//! k of the env's action names as the env spells them, at most one space in each gap), then
-//! `</answer>`. A misspelt or invented action cannot happen; which action to take is
-//! still the model's choice. Off by default: RAGEN samples freely.
+//! k of the env's action names as the env spells them), then `</answer>`, written exactly as the
+//! history re-serialises an answer (`ParsedTurn::reserialize`): what was sampled is what the
+//! next turn shows and what the update trains, and episodes that chose alike share their
+//! history token for token. A misspelt or invented action cannot happen; which action to take
+//! is still the model's choice. Off by default: RAGEN samples freely.
 //!
 //! The check runs on text, not token ids, so every tokenisation of an action is allowed: the
 //! answer so far is run through a small automaton, and a token is allowed when the automaton
 //! survives its text. Tokens whose text is empty (special tokens) or not ASCII are never
 //! allowed inside an answer.
 
-/// The language of one answer: `␣? A (␣? "||" ␣? A){0,k-1} ␣? "</answer>"`. One space at most
-/// per gap, or a random model spends its whole budget on whitespace.
+/// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AnswerGrammar {
     /// Action names, as the env spells them.
@@ -24,18 +25,18 @@ pub struct AnswerGrammar {
 
 const CLOSE: &[u8] = b"</answer>";
 const OPEN: &str = "<answer>";
-const SEP: &[u8] = b"||";
+const SEP: &[u8] = b" || ";
 
 /// Where the automaton is; `done` counts the actions completed so far.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum At {
-    /// Before an action; `spaced`: the gap's one space is used.
-    Before { done: usize, spaced: bool },
+    /// Before an action.
+    Before { done: usize },
     /// `len` bytes into action `a`.
     In { done: usize, a: usize, len: usize },
-    /// After an action: a space, then `||` or `</answer>`.
-    After { done: usize, spaced: bool },
-    /// `len` bytes into `||`.
+    /// After an action: ` || ` or `</answer>`.
+    After { done: usize },
+    /// `len` bytes into ` || `.
     Sep { done: usize, len: usize },
     /// `len` bytes into `</answer>`.
     Close { len: usize },
@@ -68,7 +69,7 @@ impl AnswerGrammar {
 
     /// The states after `text`, from the start of an answer (empty: `text` is not a prefix).
     fn run(&self, text: &[u8]) -> Vec<At> {
-        text.iter().fold(vec![At::Before { done: 0, spaced: false }], |states, &c| self.step(&states, c))
+        text.iter().fold(vec![At::Before { done: 0 }], |states, &c| self.step(&states, c))
     }
 
     fn step(&self, states: &[At], c: u8) -> Vec<At> {
@@ -80,10 +81,7 @@ impl AnswerGrammar {
         };
         for &s in states {
             match s {
-                At::Before { done, spaced } => {
-                    if c == b' ' && !spaced {
-                        push(At::Before { done, spaced: true });
-                    }
+                At::Before { done } => {
                     for (a, name) in self.actions.iter().enumerate() {
                         if name[0] == c {
                             push(self.advance(done, a, 1));
@@ -95,10 +93,8 @@ impl AnswerGrammar {
                         push(self.advance(done, a, len + 1));
                     }
                 }
-                At::After { done, spaced } => {
-                    if c == b' ' && !spaced {
-                        push(At::After { done, spaced: true });
-                    } else if c == SEP[0] && done < self.max_actions {
+                At::After { done } => {
+                    if c == SEP[0] && done < self.max_actions {
                         push(At::Sep { done, len: 1 });
                     } else if c == CLOSE[0] {
                         push(At::Close { len: 1 });
@@ -107,7 +103,7 @@ impl AnswerGrammar {
                 At::Sep { done, len } => {
                     if SEP[len] == c {
                         push(if len + 1 == SEP.len() {
-                            At::Before { done, spaced: false }
+                            At::Before { done }
                         } else {
                             At::Sep { done, len: len + 1 }
                         });
@@ -127,7 +123,7 @@ impl AnswerGrammar {
     /// `len` bytes into action `a`, or past it when that is all of it.
     fn advance(&self, done: usize, a: usize, len: usize) -> At {
         if len == self.actions[a].len() {
-            At::After { done: done + 1, spaced: false }
+            At::After { done: done + 1 }
         } else {
             At::In { done, a, len }
         }
@@ -176,7 +172,7 @@ mod tests {
     #[test]
     fn well_formed_answers_and_their_prefixes_pass_and_nothing_else() {
         let g = grammar(2);
-        for ok in [" Up </answer>", "Up||Down</answer>", " Upper || Up </answer>", "Down</answer>"] {
+        for ok in ["Up</answer>", "Up || Down</answer>", "Upper || Up</answer>", "Down</answer>"] {
             for cut in 1..=ok.len() {
                 assert!(g.allows("", &ok[..cut]), "{:?}", &ok[..cut]);
             }
@@ -184,6 +180,9 @@ mod tests {
         for bad in [
             "Upp ",
             "Up || Down || Up",
+            " Up",
+            "Up </answer>",
+            "Up||Down",
             "[your answer]",
             "Lef",
             "Up </answer> ",
@@ -197,7 +196,7 @@ mod tests {
         ] {
             assert!(!g.allows("", bad), "{bad:?}");
         }
-        assert!(g.allows("Up ||", " Do") && !g.allows("Up ||", " Dx"));
+        assert!(g.allows("Up ||", " Do") && !g.allows("Up ||", " Dx") && !g.allows("Up ||", "Do"));
         assert!(AnswerGrammar::new(&[], 2, true).is_none(), "free text cannot be constrained");
     }
 
@@ -205,17 +204,19 @@ mod tests {
     fn token_masks_follow_the_text_and_think_mode_waits_for_the_answer() {
         let g = grammar(1);
         let texts: Vec<String> =
-            ["", " U", "p", "pper", "Down", "</answer>", "</", " ||", "x", "<|im_end|>"].map(String::from).to_vec();
+            ["", "U", "p", "pper", "Down", "</answer>", "</", " ||", "x", "<|im_end|>", " Up"].map(String::from).to_vec();
         let m = g.allowed_tokens("", &texts).unwrap();
-        assert_eq!(m, [false, true, false, false, true, false, false, false, false, false]);
-        let m = g.allowed_tokens(" U", &texts).unwrap();
-        assert_eq!(m, [false, false, true, true, false, false, false, false, false, false]);
+        assert_eq!(m, [false, true, false, false, true, false, false, false, false, false, false]);
+        let m = g.allowed_tokens("U", &texts).unwrap();
+        assert_eq!(m, [false, false, true, true, false, false, false, false, false, false, false]);
         // One action at most: after it only the closing tag.
-        let m = g.allowed_tokens(" Up", &texts).unwrap();
-        assert_eq!(m, [false, false, true, false, false, true, true, false, false, false]);
+        let m = g.allowed_tokens("Up", &texts).unwrap();
+        assert_eq!(m, [false, false, true, false, false, true, true, false, false, false, false]);
+        let two = grammar(2).allowed_tokens("Up", &texts).unwrap();
+        assert!(two[7] && two[5] && !two[10], "then ` ||` or the closing tag");
         assert_eq!(g.allowed_tokens("nonsense", &texts), None);
         let think = AnswerGrammar::new(&["Up".into()], 1, false).unwrap();
         assert_eq!(think.answer_part("I go up </think>"), None);
-        assert_eq!(think.answer_part("I go up </think><answer> U"), Some(" U"));
+        assert_eq!(think.answer_part("I go up </think><answer>U"), Some("U"));
     }
 }

@@ -8,6 +8,7 @@
 //! - [`token_scores`]: the log-prob of each row's target token and the entropy of its
 //!   distribution, straight from the logits; the backward keeps only the logits (the composite
 //!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
+//!   A position sampled under a constrained answer is scored over its allowed tokens only.
 //! - [`rms_norm`]: RMSNorm in one pass per row; the backward recomputes the row's scale from
 //!   the input (the composite keeps the square, the mean, the root and the quotient).
 //! - [`rope`]: the rotary embedding with per-row positions as one rotation per pair; its
@@ -207,9 +208,11 @@ impl CustomOp3 for Rope {
 }
 
 /// Per row of `logits` `[N, V]`: the log-probability of token `targets[n]` and the entropy
-/// −Σ p log p, as `[N, 2]`. Differentiable in the logits when `grad`.
-pub fn token_scores(logits: &Tensor, targets: &[u32], grad: bool) -> Result<Tensor> {
-    let op = TokenScores { targets: targets.to_vec() };
+/// −Σ p log p, as `[N, 2]`. A row with an `allowed` list scores the distribution renormalised
+/// over those tokens (what a constrained sampler drew from); the others the whole vocabulary.
+/// `allowed` is empty or one entry per row. Differentiable in the logits when `grad`.
+pub fn token_scores(logits: &Tensor, targets: &[u32], allowed: &[Allowed], grad: bool) -> Result<Tensor> {
+    let op = TokenScores { targets: targets.to_vec(), allowed: allowed.to_vec() };
     let logits = logits.contiguous()?;
     if grad {
         logits.apply_op1(op)
@@ -218,8 +221,12 @@ pub fn token_scores(logits: &Tensor, targets: &[u32], grad: bool) -> Result<Tens
     }
 }
 
+/// The token ids a position's distribution is restricted to (`None`: the whole vocabulary).
+pub type Allowed = Option<Arc<[u32]>>;
+
 struct TokenScores {
     targets: Vec<u32>,
+    allowed: Vec<Allowed>,
 }
 
 impl CustomOp1 for TokenScores {
@@ -232,24 +239,20 @@ impl CustomOp1 for TokenScores {
         self.check(n, v)?;
         let z = f32_slice(storage, layout, "token-scores")?;
         let mut out = vec![0f32; 2 * n];
-        out.par_chunks_mut(2).zip(z.par_chunks(v)).zip(&self.targets).for_each(|((o, z), &t)| {
-            let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            // One pass: Σ e^(z−max) and Σ e^(z−max)·z, in f64 over a vocabulary-long row.
-            let (mut sum, mut weighted) = (0f64, 0f64);
-            for &x in z {
-                let e = (x - max).exp() as f64;
-                sum += e;
-                weighted += e * x as f64;
-            }
-            let lse = max as f64 + sum.ln();
-            o[0] = (z[t as usize] as f64 - lse) as f32;
-            o[1] = (lse - weighted / sum) as f32; // H = lse − E_p[z]
+        out.par_chunks_mut(2).zip(z.par_chunks(v)).enumerate().for_each(|(r, (o, z))| {
+            let t = self.targets[r] as usize;
+            let (lse, mean_z) = match self.allowed_of(r) {
+                Some(ids) => moments(ids.iter().map(|&j| z[j as usize])),
+                None => moments(z.iter().copied()),
+            };
+            o[0] = (z[t] as f64 - lse) as f32;
+            o[1] = (lse - mean_z) as f32; // H = lse − E_p[z]
         });
         Ok((CpuStorage::F32(out), Shape::from((n, 2))))
     }
 
     /// d lp / dz_j = [j = t] − p_j and d H / dz_j = −p_j (log p_j + H), with log p_j = z_j − lse
-    /// and lse = z_t − lp read back from the forward's output.
+    /// and lse = z_t − lp read back from the forward's output; p_j = 0 off a row's allowed list.
     fn bwd(&self, logits: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let (n, v) = logits.dims2()?;
         let res = res.flatten_all()?.to_vec1::<f32>()?;
@@ -264,10 +267,14 @@ impl CustomOp1 for TokenScores {
             let t = self.targets[r] as usize;
             let (lp, h, g_lp, g_h) = (res[2 * r], res[2 * r + 1], g[2 * r], g[2 * r + 1]);
             let lse = z[t] - lp;
-            for (d, &x) in dz.iter_mut().zip(z) {
+            let grad = |x: f32| {
                 let logp = x - lse;
                 let p = logp.exp();
-                *d = -g_lp * p - g_h * p * (logp + h);
+                -g_lp * p - g_h * p * (logp + h)
+            };
+            match self.allowed_of(r) {
+                Some(ids) => ids.iter().for_each(|&j| dz[j as usize] = grad(z[j as usize])),
+                None => dz.iter_mut().zip(z).for_each(|(d, &x)| *d = grad(x)),
             }
             dz[t] += g_lp;
         });
@@ -275,13 +282,40 @@ impl CustomOp1 for TokenScores {
     }
 }
 
+/// log Σ e^z and the mean of z under softmax(z), in one pass (f64 over a vocabulary-long row).
+fn moments(z: impl Iterator<Item = f32> + Clone) -> (f64, f64) {
+    let max = z.clone().fold(f32::NEG_INFINITY, f32::max);
+    let (mut sum, mut weighted) = (0f64, 0f64);
+    for x in z {
+        let e = (x - max).exp() as f64;
+        sum += e;
+        weighted += e * x as f64;
+    }
+    (max as f64 + sum.ln(), weighted / sum)
+}
+
 impl TokenScores {
+    fn allowed_of(&self, row: usize) -> Option<&[u32]> {
+        self.allowed.get(row).and_then(|a| a.as_deref())
+    }
+
     fn check(&self, n: usize, v: usize) -> Result<()> {
         if self.targets.len() != n {
             candle_core::bail!("token-scores: {} targets for {n} rows", self.targets.len());
         }
         if let Some(&t) = self.targets.iter().find(|&&t| t as usize >= v) {
             candle_core::bail!("token-scores: target {t} outside a vocabulary of {v}");
+        }
+        if !self.allowed.is_empty() && self.allowed.len() != n {
+            candle_core::bail!("token-scores: {} allowed lists for {n} rows", self.allowed.len());
+        }
+        for (r, ids) in (0..n).filter_map(|r| self.allowed_of(r).map(|a| (r, a))) {
+            if let Some(&j) = ids.iter().find(|&&j| j as usize >= v) {
+                candle_core::bail!("token-scores: allowed token {j} outside a vocabulary of {v}");
+            }
+            if !ids.contains(&self.targets[r]) {
+                candle_core::bail!("token-scores: row {r}'s target {} is not among its allowed tokens", self.targets[r]);
+            }
         }
         Ok(())
     }

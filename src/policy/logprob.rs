@@ -9,6 +9,10 @@
 //! gradients (`token_logprobs_no_grad`: old and reference log-probs) no graph is recorded at all
 //! (`Mode::Score`): every activation is freed as soon as the next op has read it.
 //!
+//! Constrained answers: a position the sampler drew from a grammar's allowed tokens is scored
+//! over those tokens only (`TokenBatch::restrict`), so the update's ratio, entropy and KL are
+//! of the distribution that produced the sample, not of the whole vocabulary.
+//!
 //! Shared prefixes: a group's trajectories share their prompt, and with a small action space
 //! often several turns of history. A batch packed as a prefix tree (`TokenBatch::as_tree`,
 //! `tree::PrefixTree`) runs every distinct position once, forward and backward, and each row's
@@ -21,7 +25,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var, D};
 
-use super::kernels;
+use super::kernels::{self, Allowed};
 use super::model::Mode;
 use super::tree::{PrefixTree, TreeLinks};
 use super::Policy;
@@ -45,14 +49,18 @@ pub struct TokenBatch {
     /// Row-major `[rows, len]`: the positions whose log-prob and entropy are computed (never
     /// position 0 or past a row's length).
     scored: Vec<bool>,
+    /// Row-major `[rows, len]`, or empty: the tokens a position's distribution is restricted to
+    /// (`restrict`), `None` for the whole vocabulary.
+    allowed: Vec<Allowed>,
 }
 
 /// The distinct scored positions of a batch: for each, the position (of the pass) whose hidden
-/// state predicts it and its token; and for every row position, its index among them (the
-/// count of them where it is not scored).
+/// state predicts it, its token and the tokens it is scored over; and for every row position,
+/// its index among them (the count of them where it is not scored).
 struct Wanted {
     from: Vec<u32>,
     target: Vec<u32>,
+    allowed: Vec<Allowed>,
     at: Vec<u32>,
 }
 
@@ -71,7 +79,8 @@ impl TokenBatch {
             ids.extend(std::iter::repeat_n(pad_id, len - s.len()));
             scored.extend((0..len).map(|t| t > 0 && t < s.len()));
         }
-        Ok(Self { ids, rows: seqs.len(), len, lengths: seqs.iter().map(Vec::len).collect(), tree: None, scored })
+        let lengths = seqs.iter().map(Vec::len).collect();
+        Ok(Self { ids, rows: seqs.len(), len, lengths, tree: None, scored, allowed: Vec::new() })
     }
 
     /// The rows packed as one prefix tree: positions the rows share run once.
@@ -90,6 +99,24 @@ impl TokenBatch {
             }
         }
         self
+    }
+
+    /// Score row `r`'s position `t` over `allowed[r][t]` only (a constrained answer's tokens:
+    /// the distribution the sampler drew from) where it is `Some`.
+    pub fn restrict(mut self, allowed: &[&[Allowed]]) -> Self {
+        if allowed.iter().all(|a| a.iter().all(Option::is_none)) {
+            return self;
+        }
+        self.allowed = vec![None; self.rows * self.len];
+        for (r, a) in allowed.iter().enumerate().take(self.rows) {
+            let n = a.len().min(self.lengths[r]);
+            self.allowed[r * self.len..r * self.len + n].clone_from_slice(&a[..n]);
+        }
+        self
+    }
+
+    fn allowed_at(&self, i: usize) -> &Allowed {
+        self.allowed.get(i).unwrap_or(&None)
     }
 
     fn row(&self, r: usize) -> &[u32] {
@@ -134,24 +161,28 @@ impl TokenBatch {
 
     fn wanted(&self) -> Wanted {
         let mut index = vec![u32::MAX; self.tokens_computed()];
-        let (mut from, mut target) = (Vec::new(), Vec::new());
+        let (mut from, mut target, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
         let mut at = vec![u32::MAX; self.rows * self.len];
         for r in 0..self.rows {
             for t in 1..self.lengths[r] {
-                if !self.scored[r * self.len + t] {
+                let i = r * self.len + t;
+                if !self.scored[i] {
                     continue;
                 }
                 let node = self.slot(r, t);
-                if index[node] == u32::MAX {
+                // A shared node is scored once, unless rows restrict it differently.
+                let known = index[node] != u32::MAX && allowed[index[node] as usize] == *self.allowed_at(i);
+                if !known {
                     index[node] = from.len() as u32;
                     from.push(self.slot(r, t - 1) as u32);
-                    target.push(self.ids[r * self.len + t]);
+                    target.push(self.ids[i]);
+                    allowed.push(self.allowed_at(i).clone());
                 }
-                at[r * self.len + t] = index[node];
+                at[i] = index[node];
             }
         }
         at.iter_mut().filter(|a| **a == u32::MAX).for_each(|a| *a = from.len() as u32);
-        Wanted { from, target, at }
+        Wanted { from, target, allowed, at }
     }
 
     /// `[B, T]` f32: 1 where a position is scored, else 0.
@@ -173,6 +204,10 @@ impl TokenBatch {
                     (r0..r1).flat_map(|r| v[r * self.len..r * self.len + len].iter().copied()).collect()
                 };
                 let ids = (r0..r1).flat_map(|r| self.ids[r * self.len..r * self.len + len].iter().copied()).collect();
+                let allowed = match self.allowed.is_empty() {
+                    true => Vec::new(),
+                    false => (r0..r1).flat_map(|r| self.allowed[r * self.len..r * self.len + len].iter().cloned()).collect(),
+                };
                 let part = TokenBatch {
                     ids,
                     rows: r1 - r0,
@@ -180,6 +215,7 @@ impl TokenBatch {
                     lengths: self.lengths[r0..r1].to_vec(),
                     tree: None,
                     scored: pick(&self.scored),
+                    allowed,
                 };
                 if self.tree.is_some() {
                     part.as_tree()
@@ -189,6 +225,19 @@ impl TokenBatch {
             })
             .collect()
     }
+}
+
+/// `[rows, vocab]`: 0 on a row's allowed tokens (every token where it has no list), −1e30
+/// elsewhere, to add to logits (the GPU path; the CPU kernel skips those tokens instead).
+fn outside_allowed(allowed: &[Allowed], vocab: usize, dev: &Device) -> Result<Tensor> {
+    let mut bias = vec![0f32; allowed.len() * vocab];
+    for (row, ids) in bias.chunks_mut(vocab).zip(allowed) {
+        if let Some(ids) = ids {
+            row.fill(-1e30);
+            ids.iter().for_each(|&j| row[j as usize] = 0.0);
+        }
+    }
+    Ok(Tensor::from_vec(bias, (allowed.len(), vocab), dev)?)
 }
 
 /// `values` `[K]` picked by `index` (K picks a 0) into `shape`.
@@ -253,14 +302,18 @@ impl Policy {
             let from = Tensor::from_vec(want.from[c.clone()].to_vec(), c.len(), dev)?;
             let hc = hidden.index_select(&from, 0)?; // [c, H]
             let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
-            let targets = &want.target[c.clone()];
+            let (targets, allowed) = (&want.target[c.clone()], &want.allowed[c.clone()]);
             if logits.device().is_cpu() {
-                let both = kernels::token_scores(&logits, targets, grad)?; // [c, 2]
+                let both = kernels::token_scores(&logits, targets, allowed, grad)?; // [c, 2]
                 lps.push(both.narrow(1, 0, 1)?.squeeze(1)?);
                 ents.push(both.narrow(1, 1, 1)?.squeeze(1)?);
                 continue;
             }
             let tgt = Tensor::from_vec(targets.to_vec(), (c.len(), 1), dev)?;
+            let logits = match allowed.iter().any(Option::is_some) {
+                true => (&logits + outside_allowed(allowed, logits.dim(1)?, dev)?)?,
+                false => logits,
+            };
             let logp = candle_nn::ops::log_softmax(&logits, D::Minus1)?; // [c, V]
             lps.push(logp.gather(&tgt, 1)?.squeeze(1)?);
             ents.push((logp.exp()? * &logp)?.sum(D::Minus1)?.neg()?);

@@ -164,7 +164,8 @@ pub struct Generation {
     pub text: String,
     /// Per id: its log-probability under softmax(logits / temperature) before top-k/top-p
     /// filtering (temperature 1 when greedy), the distribution training scores; under a
-    /// constraint, of the masked logits (training still scores the model's own distribution).
+    /// constraint, of the masked logits (training scores the same renormalised distribution:
+    /// `agent::pack::Packed::set_allowed`).
     pub logprobs: Vec<f32>,
     pub finish: Finish,
     /// The sampler wrote `GenerationConfig::forcing`'s ids into this reply (their log-probs

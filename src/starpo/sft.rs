@@ -330,13 +330,11 @@ fn passes(
     seqs: &[&Packed],
     micro_batch_size: usize,
 ) -> Result<Vec<(crate::policy::TokenBatch, candle_core::Tensor)>> {
-    let ids: Vec<&[u32]> = seqs.iter().map(|p| p.ids.as_slice()).collect();
-    let masks: Vec<Vec<bool>> = seqs.iter().map(|p| p.mask.clone()).collect();
     let all: Vec<usize> = (0..seqs.len()).collect();
-    micro_batches(&ids, &masks, &all, micro_batch_size, policy.pad_id)?
+    micro_batches(seqs, &all, micro_batch_size, policy.pad_id)?
         .into_iter()
         .map(|(rows, tb)| {
-            let m: Vec<Vec<f32>> = rows.iter().map(|&i| masks[i].iter().map(|&x| x as u8 as f32).collect()).collect();
+            let m: Vec<Vec<f32>> = rows.iter().map(|&i| seqs[i].mask.iter().map(|&x| x as u8 as f32).collect()).collect();
             let mask = rows_tensor(&m, tb.len, policy.device())?;
             Ok((tb, mask))
         })

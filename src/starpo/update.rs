@@ -170,39 +170,39 @@ const MAX_TREE_NODES: usize = 2048;
 /// The trajectories `rows` as one pass: packed as a prefix tree where that computes less than
 /// the rows do (a group's trajectories share their prompt and often turns of history), scoring
 /// only their trained tokens.
-fn pass_of(seqs: &[&[u32]], masks: &[Vec<bool>], rows: &[usize], pad: u32) -> Result<TokenBatch> {
-    let plain = TokenBatch::new(&rows.iter().map(|&i| seqs[i].to_vec()).collect::<Vec<_>>(), pad)?;
-    let masks: Vec<&[bool]> = rows.iter().map(|&i| masks[i].as_slice()).collect();
+fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32) -> Result<TokenBatch> {
+    let plain = TokenBatch::new(&rows.iter().map(|&i| packed[i].ids.clone()).collect::<Vec<_>>(), pad)?;
+    let masks: Vec<&[bool]> = rows.iter().map(|&i| packed[i].mask.as_slice()).collect();
+    let allowed: Vec<_> = rows.iter().map(|&i| packed[i].allowed.as_slice()).collect();
     let cost = |positions: usize, keys: usize| positions as f64 * (1.0 + keys as f64 / KEYS_PER_PROJECTION);
     let tree = plain.clone().as_tree();
     let (nodes, len) = (tree.tokens_computed(), plain.len);
     let pick = if nodes <= MAX_TREE_NODES && cost(nodes, nodes) < cost(plain.rows * len, len) { tree } else { plain };
-    Ok(pick.score_only(&masks))
+    Ok(pick.score_only(&masks).restrict(&allowed))
 }
 
-/// Micro-batches of the trajectories `idx`, in order, each computing at most the positions of
-/// `micro` rows of the longest trajectory. Rows of one group share their prompt and often
+/// Micro-batches of the trajectories `idx` of `packed`, in order, each computing at most the
+/// positions of `micro` rows of the longest trajectory. Rows of one group share their prompt and often
 /// turns of history, which a packed tree runs once, so a micro-batch holds as many rows as fit:
 /// a whole group when the shared part dominates.
 pub(super) fn micro_batches(
-    seqs: &[&[u32]],
-    masks: &[Vec<bool>],
+    packed: &[&Packed],
     idx: &[usize],
     micro: usize,
     pad: u32,
 ) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
-    let budget = micro.max(1) * idx.iter().map(|&i| seqs[i].len()).max().unwrap_or(0);
+    let budget = micro.max(1) * idx.iter().map(|&i| packed[i].ids.len()).max().unwrap_or(0);
     let mut out = Vec::new();
     let mut rows: Vec<usize> = Vec::new();
     let mut current: Option<TokenBatch> = None;
     for &i in idx {
         rows.push(i);
-        let candidate = pass_of(seqs, masks, &rows, pad)?;
+        let candidate = pass_of(packed, &rows, pad)?;
         if rows.len() > 1 && candidate.tokens_computed() > budget {
             rows.pop();
             out.push((std::mem::take(&mut rows), current.take().expect("a batch of the rows so far")));
             rows.push(i);
-            current = Some(pass_of(seqs, masks, &rows, pad)?);
+            current = Some(pass_of(packed, &rows, pad)?);
         } else {
             current = Some(candidate);
         }
@@ -216,15 +216,13 @@ pub(super) fn micro_batches(
 /// Each trajectory's mean token entropy over its assistant tokens under the current policy, in
 /// one no-grad pass (the filter's entropy metrics; RAGEN-2 computes it the same way).
 pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize) -> Result<Vec<f64>> {
-    let seqs: Vec<&[u32]> = packed.iter().map(|p| p.ids.as_slice()).collect();
-    let masks: Vec<Vec<bool>> = packed.iter().map(|p| p.mask.clone()).collect();
     let all: Vec<usize> = (0..packed.len()).collect();
     let mut out = vec![0.0; packed.len()];
-    for (ids, tb) in micro_batches(&seqs, &masks, &all, micro, policy.pad_id)? {
+    for (ids, tb) in micro_batches(packed, &all, micro, policy.pad_id)? {
         let entropy = per_seq(&policy.token_logprobs_no_grad(&tb)?.entropy, &tb.lengths)?;
         phase::add_tokens(tb.tokens_computed());
         for (row, &i) in entropy.iter().zip(&ids) {
-            let on: Vec<f64> = row.iter().zip(&masks[i]).filter(|p| *p.1).map(|p| *p.0 as f64).collect();
+            let on: Vec<f64> = row.iter().zip(&packed[i].mask).filter(|p| *p.1).map(|p| *p.0 as f64).collect();
             out[i] = on.iter().sum::<f64>() / on.len().max(1) as f64;
         }
     }
@@ -242,7 +240,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     if n == 0 {
         return Ok(stats);
     }
-    let seqs: Vec<&[u32]> = items.iter().map(|it| it.packed.ids.as_slice()).collect();
+    let packed: Vec<&Packed> = items.iter().map(|it| it.packed).collect();
     let masks: Vec<Vec<bool>> = items.iter().map(|it| it.packed.mask.clone()).collect();
     let all: Vec<usize> = (0..n).collect();
     let pad = policy.pad_id;
@@ -266,7 +264,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let mut ref_lp = vec![Vec::new(); n];
     let mut old_v = vec![Vec::new(); n];
     let old_start = Instant::now();
-    for (ids, tb) in micro_batches(&seqs, &masks, &all, so.micro_batch_size, pad)? {
+    for (ids, tb) in micro_batches(&packed, &all, so.micro_batch_size, pad)? {
         let mut tokens = 0;
         if !single_step {
             let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
@@ -357,7 +355,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
         }
         for mb in order.chunks(mb_size) {
             let weight = |rows: usize| rows as f64 / mb.len() as f64;
-            let passes = micro_batches(&seqs, &masks, mb, so.micro_batch_size, pad)?;
+            let passes = micro_batches(&packed, mb, so.micro_batch_size, pad)?;
             // Critic.
             let mut vloss = 0.0;
             if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
