@@ -109,19 +109,17 @@ impl Packed {
         let mut out: Vec<Allowed> = vec![None; self.ids.len()];
         for (reply, grammar) in self.replies(tag).into_iter().rev().zip(grammars.iter().rev()) {
             let (Some(reply), Some(grammar)) = (reply, grammar) else { continue };
+            let from = *reply.start();
             let mut text = String::new();
             for t in reply {
-                let id = self.ids[t] as usize;
-                let mask = grammar.answer_part(&text).and_then(|a| grammar.allowed_tokens(a, token_texts));
-                match mask {
-                    Some(mask) if mask.get(id) == Some(&true) => {
-                        out[t] = Some((0..mask.len() as u32).filter(|&j| mask[j as usize]).collect());
-                    }
+                let id = self.ids[t];
+                match grammar.next_tokens(&text, &self.ids[from..t], token_texts) {
+                    Some(next) if next.binary_search(&id).is_ok() => out[t] = Some(next.into()),
                     // Outside the answer yet (think mode): free, and the grammar reads on.
                     None if grammar.answer_part(&text).is_none() => {}
                     _ => break,
                 }
-                text.push_str(token_texts.get(id).map_or("", String::as_str));
+                text.push_str(token_texts.get(id as usize).map_or("", String::as_str));
             }
         }
         self.allowed = if out.iter().any(Option::is_some) { out } else { Vec::new() };

@@ -284,7 +284,7 @@ pub fn rollout(
     // An answer names the state's legal actions (the env's own list when it gives none).
     let turn_grammar = |valid: &[String]| {
         let names = if valid.is_empty() { &info.actions[..] } else { valid };
-        AnswerGrammar::new(names, limits.max_actions_per_turn, !s.think)
+        AnswerGrammar::new(names, limits.max_actions_per_turn, !s.think).map(|g| policy.canonical(g))
     };
     let mut gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,

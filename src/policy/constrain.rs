@@ -11,11 +11,14 @@
 //! survives its text. Tokens whose text is empty (special tokens) or not ASCII are never
 //! allowed inside an answer.
 
-/// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form.
+/// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form, over
+/// text; and, once [`AnswerGrammar::with_tokens`] has tokenised its pieces, over token ids: each
+/// piece (an action name, ` || `, `</answer>`) as its own canonical tokens, so identical answers
+/// are identical ids and a choice between actions is a choice between their first tokens.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AnswerGrammar {
-    /// Action names, as the env spells them.
-    actions: Vec<Vec<u8>>,
+    text: Pieces<u8>,
+    tokens: Option<Pieces<u32>>,
     /// Most actions in one answer.
     max_actions: usize,
     /// The generation starts inside `<answer>` (no-think mode); otherwise the answer starts
@@ -23,38 +26,131 @@ pub struct AnswerGrammar {
     starts_inside: bool,
 }
 
-const CLOSE: &[u8] = b"</answer>";
+const CLOSE: &str = "</answer>";
 const OPEN: &str = "<answer>";
-const SEP: &[u8] = b" || ";
+const SEP: &str = " || ";
+
+/// An answer's pieces, spelt in some alphabet (bytes or token ids).
+#[derive(Clone, Debug, PartialEq)]
+struct Pieces<T> {
+    actions: Vec<Vec<T>>,
+    sep: Vec<T>,
+    close: Vec<T>,
+}
 
 /// Where the automaton is; `done` counts the actions completed so far.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum At {
     /// Before an action.
     Before { done: usize },
-    /// `len` bytes into action `a`.
+    /// `len` symbols into action `a`.
     In { done: usize, a: usize, len: usize },
     /// After an action: ` || ` or `</answer>`.
     After { done: usize },
-    /// `len` bytes into ` || `.
+    /// `len` symbols into ` || `.
     Sep { done: usize, len: usize },
-    /// `len` bytes into `</answer>`.
+    /// `len` symbols into `</answer>`.
     Close { len: usize },
     /// The answer is complete; nothing may follow.
     End,
+}
+
+impl<T: Copy + PartialEq> Pieces<T> {
+    /// The states after `text`, from the start of an answer (empty: `text` is not a prefix).
+    fn run(&self, max: usize, text: &[T]) -> Vec<At> {
+        text.iter().fold(vec![At::Before { done: 0 }], |states, &c| self.step(max, &states, c))
+    }
+
+    /// Each state's successors on `c`, and the symbol each state expects next.
+    fn moves(&self, max: usize, s: At) -> Vec<(T, At)> {
+        match s {
+            At::Before { done } => (0..self.actions.len()).map(|a| (self.actions[a][0], self.advance(done, a, 1))).collect(),
+            At::In { done, a, len } => vec![(self.actions[a][len], self.advance(done, a, len + 1))],
+            At::After { done } => {
+                let mut m = vec![(self.close[0], self.closing(1))];
+                if done < max {
+                    m.push((self.sep[0], self.separating(done, 1)));
+                }
+                m
+            }
+            At::Sep { done, len } => vec![(self.sep[len], self.separating(done, len + 1))],
+            At::Close { len } => vec![(self.close[len], self.closing(len + 1))],
+            At::End => vec![],
+        }
+    }
+
+    fn step(&self, max: usize, states: &[At], c: T) -> Vec<At> {
+        let mut next = Vec::new();
+        for (_, to) in states.iter().flat_map(|&s| self.moves(max, s)).filter(|(x, _)| *x == c) {
+            if !next.contains(&to) {
+                next.push(to);
+            }
+        }
+        next
+    }
+
+    /// The symbols that may come next.
+    fn next(&self, max: usize, states: &[At]) -> Vec<T> {
+        let mut out = Vec::new();
+        for (x, _) in states.iter().flat_map(|&s| self.moves(max, s)) {
+            if !out.contains(&x) {
+                out.push(x);
+            }
+        }
+        out
+    }
+
+    /// `len` symbols into action `a`, or past it when that is all of it.
+    fn advance(&self, done: usize, a: usize, len: usize) -> At {
+        match len == self.actions[a].len() {
+            true => At::After { done: done + 1 },
+            false => At::In { done, a, len },
+        }
+    }
+
+    fn separating(&self, done: usize, len: usize) -> At {
+        match len == self.sep.len() {
+            true => At::Before { done },
+            false => At::Sep { done, len },
+        }
+    }
+
+    fn closing(&self, len: usize) -> At {
+        match len == self.close.len() {
+            true => At::End,
+            false => At::Close { len },
+        }
+    }
 }
 
 impl AnswerGrammar {
     /// `None` when there is nothing to constrain to (a free-text env).
     pub fn new(actions: &[String], max_actions: usize, starts_inside: bool) -> Option<Self> {
         let actions: Vec<Vec<u8>> = actions.iter().filter(|a| !a.is_empty()).map(|a| a.as_bytes().to_vec()).collect();
-        (!actions.is_empty()).then_some(Self { actions, max_actions: max_actions.max(1), starts_inside })
+        let text = Pieces { actions, sep: SEP.as_bytes().to_vec(), close: CLOSE.as_bytes().to_vec() };
+        (!text.actions.is_empty()).then_some(Self { text, tokens: None, max_actions: max_actions.max(1), starts_inside })
+    }
+
+    /// The grammar over token ids, each piece tokenised by `encode` on its own. Kept over text
+    /// where a piece does not tokenise to ids that decode back to it (`decode`), or is empty.
+    pub fn with_tokens(mut self, encode: impl Fn(&str) -> Option<Vec<u32>>, decode: impl Fn(&[u32]) -> Option<String>) -> Self {
+        let piece = |text: &[u8]| -> Option<Vec<u32>> {
+            let text = std::str::from_utf8(text).ok()?;
+            let ids = encode(text).filter(|ids| !ids.is_empty())?;
+            (decode(&ids)? == text).then_some(ids)
+        };
+        let actions: Option<Vec<Vec<u32>>> = self.text.actions.iter().map(|a| piece(a)).collect();
+        self.tokens = match (actions, piece(&self.text.sep), piece(&self.text.close)) {
+            (Some(actions), Some(sep), Some(close)) => Some(Pieces { actions, sep, close }),
+            _ => None,
+        };
+        self
     }
 
     /// What it was built from: (action names, most actions per answer, starts inside), to send
     /// to an engine that builds its own (`answer_grammar` of `ragen-lab serve`).
     pub fn parts(&self) -> (Vec<String>, usize, bool) {
-        let names = self.actions.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        let names = self.text.actions.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();
         (names, self.max_actions, self.starts_inside)
     }
 
@@ -67,98 +163,54 @@ impl AnswerGrammar {
         reply.find(OPEN).map(|i| &reply[i + OPEN.len()..])
     }
 
-    /// The states after `text`, from the start of an answer (empty: `text` is not a prefix).
-    fn run(&self, text: &[u8]) -> Vec<At> {
-        text.iter().fold(vec![At::Before { done: 0 }], |states, &c| self.step(&states, c))
-    }
-
-    fn step(&self, states: &[At], c: u8) -> Vec<At> {
-        let mut next = Vec::new();
-        let mut push = |s: At| {
-            if !next.contains(&s) {
-                next.push(s);
-            }
-        };
-        for &s in states {
-            match s {
-                At::Before { done } => {
-                    for (a, name) in self.actions.iter().enumerate() {
-                        if name[0] == c {
-                            push(self.advance(done, a, 1));
-                        }
-                    }
-                }
-                At::In { done, a, len } => {
-                    if self.actions[a][len] == c {
-                        push(self.advance(done, a, len + 1));
-                    }
-                }
-                At::After { done } => {
-                    if c == SEP[0] && done < self.max_actions {
-                        push(At::Sep { done, len: 1 });
-                    } else if c == CLOSE[0] {
-                        push(At::Close { len: 1 });
-                    }
-                }
-                At::Sep { done, len } => {
-                    if SEP[len] == c {
-                        push(if len + 1 == SEP.len() {
-                            At::Before { done }
-                        } else {
-                            At::Sep { done, len: len + 1 }
-                        });
-                    }
-                }
-                At::Close { len } => {
-                    if CLOSE[len] == c {
-                        push(if len + 1 == CLOSE.len() { At::End } else { At::Close { len: len + 1 } });
-                    }
-                }
-                At::End => {}
-            }
-        }
-        next
-    }
-
-    /// `len` bytes into action `a`, or past it when that is all of it.
-    fn advance(&self, done: usize, a: usize, len: usize) -> At {
-        if len == self.actions[a].len() {
-            At::After { done: done + 1 }
-        } else {
-            At::In { done, a, len }
-        }
-    }
-
-    /// Whether `answer + more` is still a prefix of a well-formed answer.
+    /// Whether `answer + more` is still a prefix of a well-formed answer (over text).
     pub fn allows(&self, answer: &str, more: &str) -> bool {
-        let states = self.run(answer.as_bytes());
-        !more.is_empty() && !more.bytes().fold(states, |s, c| self.step(&s, c)).is_empty()
+        let states = self.text.run(self.max_actions, answer.as_bytes());
+        !more.is_empty() && !more.bytes().fold(states, |s, c| self.text.step(self.max_actions, &s, c)).is_empty()
     }
 
-    /// Per token id, whether it may follow `answer` (`token_texts[id]`: the token's text alone).
-    /// `None` when `answer` itself is off the grammar (the opening token carried other text):
-    /// the row is then left unconstrained rather than stuck.
-    pub fn allowed_tokens(&self, answer: &str, token_texts: &[String]) -> Option<Vec<bool>> {
-        let states = self.run(answer.as_bytes());
+    /// The token ids that may follow a reply so far (`reply`: its text, `ids`: its ids,
+    /// `token_texts[id]`: each id's text alone), sorted; `None` where the reply is free: outside
+    /// the answer yet, off the grammar (the opening token carried other text: the row is left
+    /// unconstrained rather than stuck), or complete.
+    pub fn next_tokens(&self, reply: &str, ids: &[u32], token_texts: &[String]) -> Option<Vec<u32>> {
+        let answer = self.answer_part(reply)?;
+        let mut out = match (&self.tokens, answer_ids(reply.len() - answer.len(), ids, token_texts)) {
+            (Some(tokens), Some(ids)) => tokens.next(self.max_actions, &tokens.run(self.max_actions, ids)),
+            _ => self.text_tokens(answer, token_texts),
+        };
+        out.sort_unstable();
+        (!out.is_empty()).then_some(out)
+    }
+
+    /// Every token whose text keeps `answer` on the grammar (any tokenisation of an answer).
+    fn text_tokens(&self, answer: &str, token_texts: &[String]) -> Vec<u32> {
+        let (g, max) = (&self.text, self.max_actions);
+        let states = g.run(max, answer.as_bytes());
         if states.is_empty() {
-            return None;
+            return vec![];
         }
         // Bytes that can come next, to reject most of the vocabulary at its first byte.
-        let mut first = [false; 256];
-        for c in 0..=255u8 {
-            first[c as usize] = !self.step(&states, c).is_empty();
-        }
-        let allowed: Vec<bool> = token_texts
-            .iter()
-            .map(|t| {
-                let b = t.as_bytes();
-                !b.is_empty()
-                    && first[b[0] as usize]
-                    && !b.iter().fold(states.clone(), |s, &c| self.step(&s, c)).is_empty()
+        let first = g.next(max, &states);
+        (0..token_texts.len() as u32)
+            .filter(|&id| {
+                let b = token_texts[id as usize].as_bytes();
+                !b.is_empty() && first.contains(&b[0]) && !b.iter().fold(states.clone(), |s, &c| g.step(max, &s, c)).is_empty()
             })
-            .collect();
-        allowed.contains(&true).then_some(allowed)
+            .collect()
     }
+}
+
+/// The ids of a reply from the byte `from` of its text on, where a token starts there.
+fn answer_ids<'a>(from: usize, ids: &'a [u32], token_texts: &[String]) -> Option<&'a [u32]> {
+    let mut at = 0;
+    for (k, &id) in ids.iter().enumerate() {
+        if at == from {
+            return Some(&ids[k..]);
+        }
+        at += token_texts.get(id as usize)?.len();
+    }
+    (at == from).then_some(&[])
 }
 
 #[cfg(test)]
@@ -200,23 +252,49 @@ mod tests {
         assert!(AnswerGrammar::new(&[], 2, true).is_none(), "free text cannot be constrained");
     }
 
+    fn texts() -> Vec<String> {
+        ["", "U", "p", "pper", "Down", "</answer>", "</", " ||", "x", "<|im_end|>", " Up", " ", "<answer>", "ok", "<answe", "r>U"]
+            .map(String::from)
+            .to_vec()
+    }
+
     #[test]
-    fn token_masks_follow_the_text_and_think_mode_waits_for_the_answer() {
-        let g = grammar(1);
-        let texts: Vec<String> =
-            ["", "U", "p", "pper", "Down", "</answer>", "</", " ||", "x", "<|im_end|>", " Up"].map(String::from).to_vec();
-        let m = g.allowed_tokens("", &texts).unwrap();
-        assert_eq!(m, [false, true, false, false, true, false, false, false, false, false, false]);
-        let m = g.allowed_tokens("U", &texts).unwrap();
-        assert_eq!(m, [false, false, true, true, false, false, false, false, false, false, false]);
-        // One action at most: after it only the closing tag.
-        let m = g.allowed_tokens("Up", &texts).unwrap();
-        assert_eq!(m, [false, false, true, false, false, true, true, false, false, false, false]);
-        let two = grammar(2).allowed_tokens("Up", &texts).unwrap();
-        assert!(two[7] && two[5] && !two[10], "then ` ||` or the closing tag");
-        assert_eq!(g.allowed_tokens("nonsense", &texts), None);
-        let think = AnswerGrammar::new(&["Up".into()], 1, false).unwrap();
+    fn over_text_every_tokenisation_of_an_answer_may_follow() {
+        let (g, t) = (grammar(1), texts());
+        assert_eq!(g.next_tokens("", &[], &t), Some(vec![1, 4]));
+        assert_eq!(g.next_tokens("U", &[1], &t), Some(vec![2, 3]));
+        // One action at most: after it only the closing tag (and `Upp…` of Upper).
+        assert_eq!(g.next_tokens("Up", &[1, 2], &t), Some(vec![2, 5, 6]));
+        assert_eq!(grammar(2).next_tokens("Up", &[1, 2], &t), Some(vec![2, 5, 6, 7, 11]), "then ` ||` or ` `, never ` Up`");
+        assert_eq!(g.next_tokens("nonsense", &[8], &t), None, "off the grammar: free");
+        assert_eq!(g.next_tokens("Up</answer>", &[1, 2, 5], &t), None, "complete: free");
+    }
+
+    /// With its pieces tokenised, an answer is spelt in their canonical ids only: `U` then `p`
+    /// or `pper`, never `Up` as `U` `p` `p` …; think mode starts at the token after `<answer>`.
+    #[test]
+    fn over_tokens_only_the_canonical_ids_may_follow_and_think_mode_waits_for_the_answer() {
+        let t = texts();
+        let table: Vec<(&str, Vec<u32>)> =
+            vec![("Up", vec![1, 2]), ("Down", vec![4]), ("Upper", vec![1, 3]), (" || ", vec![7, 11]), ("</answer>", vec![5])];
+        let encode = |s: &str| table.iter().find(|(k, _)| *k == s).map(|(_, v)| v.clone());
+        let decode = |ids: &[u32]| Some(ids.iter().map(|&i| t[i as usize].as_str()).collect::<String>());
+        let g = grammar(2).with_tokens(encode, decode);
+        assert_eq!(g.next_tokens("", &[], &t), Some(vec![1, 4]));
+        assert_eq!(g.next_tokens("U", &[1], &t), Some(vec![2, 3]));
+        assert_eq!(g.next_tokens("Up", &[1, 2], &t), Some(vec![5, 7]));
+        assert_eq!(g.next_tokens("Up ||", &[1, 2, 7], &t), Some(vec![11]));
+        assert_eq!(g.next_tokens("Up || ", &[1, 2, 7, 11], &t), Some(vec![1, 4]));
+        assert_eq!(g.next_tokens("Upper</answer>", &[1, 3, 5], &t), None);
+        // A piece that does not round-trip keeps the grammar over text.
+        let lossy = grammar(1).with_tokens(|_| Some(vec![8]), decode);
+        assert_eq!(lossy.next_tokens("Up", &[1, 2], &t), Some(vec![2, 5, 6]));
+        let think = AnswerGrammar::new(&["Up".into()], 1, false).unwrap().with_tokens(encode, decode);
         assert_eq!(think.answer_part("I go up </think>"), None);
-        assert_eq!(think.answer_part("I go up </think><answer>U"), Some("U"));
+        assert_eq!(think.next_tokens("ok", &[13], &t), None, "outside the answer: free");
+        assert_eq!(think.next_tokens("ok<answer>", &[13, 12], &t), Some(vec![1]));
+        assert_eq!(think.next_tokens("ok<answer>U", &[13, 12, 1], &t), Some(vec![2]));
+        // `<answer>` ends inside a token: its ids do not say where the answer starts, the text does.
+        assert_eq!(think.next_tokens("<answer>U", &[14, 15], &t), Some(vec![2]));
     }
 }

@@ -36,6 +36,7 @@ pub mod tokenizer;
 pub mod tree;
 
 pub use chat::{ChatTemplate, ChatTokens, Message};
+use constrain::AnswerGrammar;
 
 /// The device every command loads its policy on: CUDA device 0 when built with `cuda` and one is
 /// present, else the CPU. The one place this is chosen.
@@ -215,6 +216,12 @@ impl Policy {
             }
         }
         None
+    }
+
+    /// `grammar` over this tokenizer's ids: each piece of an answer as its own tokens
+    /// (`AnswerGrammar::with_tokens`), so a constrained answer is sampled in one spelling.
+    pub fn canonical(&self, grammar: AnswerGrammar) -> AnswerGrammar {
+        grammar.with_tokens(|text| self.encode_plain(text).ok(), |ids| self.decode(ids).ok())
     }
 
     /// Each token id's text decoded alone (empty for special tokens), for the model's whole

@@ -405,19 +405,17 @@ impl Policy {
                 let (id, lp) = if let Some(id) = to_force[row].pop_front() {
                     (id, 0.0)
                 } else {
-                    let mask = match (cfg.constraint_of(row), &token_texts) {
-                        (Some(grammar), Some(texts)) => {
-                            grammar.answer_part(&replies[row]).and_then(|a| grammar.allowed_tokens(a, texts))
-                        }
+                    let allowed = match (cfg.constraint_of(row), &token_texts) {
+                        (Some(grammar), Some(texts)) => grammar.next_tokens(&replies[row], &out[row].ids, texts),
                         _ => None,
                     };
-                    match mask {
+                    match allowed {
                         Some(allowed) => {
-                            let masked: Vec<f32> = logits[k]
-                                .iter()
-                                .zip(allowed.iter().chain(std::iter::repeat(&false)))
-                                .map(|(&z, &ok)| if ok { z } else { f32::NEG_INFINITY })
-                                .collect();
+                            let v = logits[k].len();
+                            let mut masked = vec![f32::NEG_INFINITY; v];
+                            for &id in allowed.iter().filter(|&&id| (id as usize) < v) {
+                                masked[id as usize] = logits[k][id as usize];
+                            }
                             pick(&masked, cfg, draws.row(row))
                         }
                         None => pick(&logits[k], cfg, draws.row(row)),

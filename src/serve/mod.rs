@@ -219,7 +219,8 @@ fn asked(policy: &Arc<Policy>, prompt: Vec<u32>, s: &Sampling) -> Result<Asked, 
         constraint: s
             .answer_grammar
             .as_ref()
-            .and_then(|g| AnswerGrammar::new(&g.actions, g.max_actions, g.starts_inside)),
+            .and_then(|g| AnswerGrammar::new(&g.actions, g.max_actions, g.starts_inside))
+            .map(|g| policy.canonical(g)),
         ..GenerationConfig::default()
     };
     let keep_stop = s.include_stop_str_in_output.unwrap_or(false);
