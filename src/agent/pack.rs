@@ -17,7 +17,8 @@ pub struct Packed {
     /// True on the assistant tokens the model wrote (the loss mask; text the sampler forced
     /// is out), [T].
     pub mask: Vec<bool>,
-    /// The last assistant token of each visible turn, in order, [K].
+    /// The first and the last assistant token of each visible turn, in order, [K].
+    pub turn_starts: Vec<usize>,
     pub turn_ends: Vec<usize>,
     /// The reward of each visible turn (shaped, format penalty included), [K].
     pub turn_rewards: Vec<f32>,
@@ -34,6 +35,7 @@ impl Packed {
     /// `turn_rewards.len()` assistant runs are those turns).
     pub fn new(chat: ChatTokens, turn_rewards: &[f64]) -> Result<Self> {
         let ends = run_ends(&chat.assistant_mask);
+        let starts = ends.iter().map(|&e| (0..=e).rev().take_while(|&t| chat.assistant_mask[t]).last().unwrap_or(e)).collect();
         if ends.len() != turn_rewards.len() {
             bail!(
                 "packing: the chat has {} assistant turns but {} turn rewards (does the chat template mark assistant tokens?)",
@@ -44,6 +46,7 @@ impl Packed {
         Ok(Self {
             ids: chat.ids,
             mask: chat.scored,
+            turn_starts: starts,
             turn_ends: ends,
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
             rollout_logprobs: Vec::new(),
@@ -55,17 +58,10 @@ impl Packed {
     /// assistant run where `tag` is empty): positions `from..=end`, or `None` where the turn
     /// does not hold the tag. In turn order.
     fn replies(&self, tag: &[u32]) -> Vec<Option<std::ops::RangeInclusive<usize>>> {
-        self.turn_ends
+        self.turn_starts
             .iter()
-            .map(|&end| {
-                let mut start = end;
-                while start > 0 && self.mask[start - 1] {
-                    start -= 1;
-                }
-                // The tag out of the loss already (`unscore_tags`): it stands right before.
-                if !tag.is_empty() && start >= tag.len() && self.ids[start - tag.len()..start] == *tag {
-                    return Some(start..=end);
-                }
+            .zip(&self.turn_ends)
+            .map(|(&start, &end)| {
                 let run = &self.ids[start..=end];
                 let at = if tag.is_empty() { Some(0) } else { run.windows(tag.len()).position(|w| w == tag) };
                 at.map(|at| start + at + tag.len()..=end)
@@ -99,7 +95,8 @@ impl Packed {
         }
     }
 
-    /// Marks the tokens of each constrained answer with the tokens its grammar allowed there
+    /// Marks the tokens of each constrained answer with the tokens its grammar allowed there,
+    /// and takes those it allowed alone out of the loss mask
     /// (`grammars`: the last turns', in order, the last one the last visible turn's; `None`
     /// where a turn was free; `token_texts`: each id's text). The grammar reads the reply as
     /// packed, from the opening tag `tag` on, as the sampler read it; a token off the grammar
@@ -114,6 +111,9 @@ impl Packed {
             for t in reply {
                 let id = self.ids[t];
                 match grammar.next_tokens(&text, &self.ids[from..t], token_texts) {
+                    // The only token allowed: no choice was made, it leaves the loss (and the
+                    // token means) like the opening tag.
+                    Some(next) if next == [id] => self.mask[t] = false,
                     Some(next) if next.binary_search(&id).is_ok() => out[t] = Some(next.into()),
                     // Outside the answer yet (think mode): free, and the grammar reads on.
                     None if grammar.answer_part(&text).is_none() => {}
@@ -240,15 +240,17 @@ mod tests {
         p.set_allowed(&[g.clone(), g.clone(), g.clone()], &[1], &texts);
         let got: Vec<Option<Vec<u32>>> = p.allowed.iter().map(|a| a.as_deref().map(<[u32]>::to_vec)).collect();
         let first = Some(vec![2, 3, 5]);
-        let close = Some(vec![4]);
         #[rustfmt::skip]
-        let want = [None, None, first.clone(), close.clone(), None,
-                    None, None, first, Some(vec![6]), close, None,
+        let want = [None, None, first.clone(), None, None,
+                    None, None, first, None, None, None,
                     None, None, None, None, None];
         assert_eq!(got, want);
+        // What followed `r` and the closing tags were the only tokens allowed: out of the loss.
+        let scored: Vec<usize> = (0..ids.len()).filter(|&t| p.mask[t]).collect();
+        assert_eq!(scored, [1, 2, 4, 6, 7, 10, 12, 13, 14, 15]);
         // A free turn is left alone; no constrained turn at all leaves nothing.
         p.set_allowed(&[g.clone(), None, None], &[1], &texts);
-        assert_eq!(p.allowed.iter().filter(|a| a.is_some()).count(), 2);
+        assert_eq!(p.allowed.iter().filter(|a| a.is_some()).count(), 1);
         p.set_allowed(&[None], &[1], &texts);
         assert!(p.allowed.is_empty());
     }

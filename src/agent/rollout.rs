@@ -376,10 +376,10 @@ pub fn rollout(
                 let from = if s.context_window > 0 && k > s.context_window { k - 1 } else { 0 };
                 packed.set_rollout_logprobs(&ep.sampled[from..], &open_tag);
             }
+            packed.unscore_tags(&open_tag);
             if s.constrain_actions {
                 packed.set_allowed(&ep.grammars, &open_tag, &policy.token_texts());
             }
-            packed.unscore_tags(&open_tag);
             Ok(ep.finish(system, &versions, packed))
         })
         .collect()
