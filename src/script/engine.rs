@@ -135,13 +135,15 @@ impl Host {
 }
 
 /// The project directory of a script path (see [`Host::for_script`]).
+/// A script in a subfolder of a root (`scripts/learning/x.rhai`) belongs to the same project.
 pub fn project_of(script: &Path) -> PathBuf {
     let full = script.canonicalize().unwrap_or_else(|_| script.to_path_buf());
     let dir = full.parent().map(Path::to_path_buf).unwrap_or_default();
-    match dir.file_name().and_then(|n| n.to_str()) {
-        Some(n) if SCRIPT_ROOTS.contains(&n) => dir.parent().map(Path::to_path_buf).unwrap_or(dir),
-        _ if dir.as_os_str().is_empty() => PathBuf::from("."),
-        _ => dir,
+    let root = dir.ancestors().find(|d| d.file_name().and_then(|n| n.to_str()).is_some_and(|n| SCRIPT_ROOTS.contains(&n)));
+    match root.and_then(Path::parent) {
+        Some(project) => project.to_path_buf(),
+        None if dir.as_os_str().is_empty() => PathBuf::from("."),
+        None => dir,
     }
 }
 
@@ -266,4 +268,21 @@ impl Script {
 fn fn_position(source: &str, name: &str) -> Option<(usize, usize)> {
     let pattern = format!("fn {name}(");
     source.lines().enumerate().find_map(|(i, l)| l.find(&pattern).map(|c| (i + 1, c + 1)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_script_belongs_to_the_project_above_its_nearest_root_folder() {
+        let p = std::env::temp_dir().join(format!("ragen-project-of-{}", std::process::id()));
+        std::fs::create_dir_all(p.join("scripts/learning")).unwrap();
+        std::fs::create_dir_all(p.join("elsewhere")).unwrap();
+        let project = p.canonicalize().unwrap();
+        assert_eq!(project_of(&p.join("scripts/x.rhai")), project);
+        assert_eq!(project_of(&p.join("scripts/learning/x.rhai")), project);
+        assert_eq!(project_of(&p.join("elsewhere/x.rhai")), project.join("elsewhere"));
+        std::fs::remove_dir_all(&p).unwrap();
+    }
 }

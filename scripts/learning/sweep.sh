@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The learning sweep of docs/training.md ("Multi-turn learning"): each env of this folder under the
+# The learning sweep of docs/training.md ("Multi-turn learning"): each env of envs/learning (and envs/lights.rhai) under the
 # shipped Bandit settings (scripts/bandit.rhai, only the env and the turn count changed), one run
 # at a time, then a table of validation success per run.
-#   bash experiments/learning/sweep.sh [seeds...] [-- extra --set flags]
-# e.g. bash experiments/learning/sweep.sh 1 2 3 -- --set starpo.filter=none
+#   bash scripts/learning/sweep.sh [seeds...] [-- extra --set flags]
+# e.g. bash scripts/learning/sweep.sh 1 2 3 -- --set starpo.filter=none
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 seeds=(); extra=()
@@ -15,8 +15,8 @@ done
 bin=${RAGEN_LAB:-target/release/ragen-lab}
 out=${SWEEP_DIR:-runs/sweep}
 mkdir -p "$out"
-for env in lights recall elevator triage; do
-  script=experiments/learning/run_$env.rhai
+for env in ${SWEEP_ENVS:-lights recall elevator triage}; do
+  script=scripts/learning/$env.rhai
   [ $env = lights ] && script=scripts/lights.rhai
   for seed in "${seeds[@]}"; do
     dir=$out/$env-$seed
