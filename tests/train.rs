@@ -591,18 +591,22 @@ fn flat_runs_stop_as_solved_or_with_no_variance() {
     fs::write(p.path().join("scripts/flat.rhai"), bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai"))
         .unwrap();
     // (The flat reward scores every bandit episode 0 whatever the env's success says.)
-    for (script, kind) in [("scripts/phases.rhai", "solved"), ("scripts/flat.rhai", "no_variance")] {
-        let mut c = train(p.path(), &["--env", script, "--steps", "6", "--set", "stop.flat_steps=2"]);
+    // An unsolved flat run first samples hotter (1.0 → 1.5 → 2.0, a flat streak each), then stops.
+    for (script, kind, steps) in [("scripts/phases.rhai", "solved", 2), ("scripts/flat.rhai", "no_variance", 6)] {
+        let mut c = train(p.path(), &["--env", script, "--steps", "8", "--set", "stop.flat_steps=2"]);
         c.args(["--set", "rollout.response_length=24", "--run-dir", "runs/flat"]);
         let out = run_ok(c);
         assert!(out.contains("stopped early"), "{out}");
         let run = p.path().join("runs/flat");
-        assert_eq!(steps_of(&run), vec![1, 2], "{script}");
+        assert_eq!(steps_of(&run), (1..=steps).collect::<Vec<u64>>(), "{script}");
         let events = jsonl(&run.join("events.jsonl"));
+        let explored: Vec<f64> =
+            events.iter().filter(|e| e["kind"] == "explore").map(|e| e["temperature"].as_f64().unwrap()).collect();
+        assert_eq!(explored, if kind == "solved" { vec![] } else { vec![1.5, 2.0] }, "{script}");
         let stop = events.iter().find(|e| e["kind"] == "early_stop").expect("an early_stop event");
         assert_eq!(stop["stop"].as_str(), Some(kind), "{stop}");
         assert_eq!(stop["success"].as_f64().unwrap() >= 0.95, kind == "solved", "{stop}");
-        assert!(run.join("checkpoints/step-000002").exists());
+        assert!(run.join(format!("checkpoints/step-{steps:06}")).exists());
         fs::remove_dir_all(run).unwrap();
     }
 }

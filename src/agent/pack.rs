@@ -35,7 +35,8 @@ impl Packed {
     /// `turn_rewards.len()` assistant runs are those turns).
     pub fn new(chat: ChatTokens, turn_rewards: &[f64]) -> Result<Self> {
         let ends = run_ends(&chat.assistant_mask);
-        let starts = ends.iter().map(|&e| (0..=e).rev().take_while(|&t| chat.assistant_mask[t]).last().unwrap_or(e)).collect();
+        let starts =
+            ends.iter().map(|&e| (0..=e).rev().take_while(|&t| chat.assistant_mask[t]).last().unwrap_or(e)).collect();
         if ends.len() != turn_rewards.len() {
             bail!(
                 "packing: the chat has {} assistant turns but {} turn rewards (does the chat template mark assistant tokens?)",

@@ -351,7 +351,9 @@ pub fn rollout(
         }
         // 3. Parse, step, shape.
         let grammars = std::mem::take(&mut gen_cfg.row_constraints);
-        for (((i, _, opened), gen), grammar) in batch.into_iter().zip(gens).zip(grammars.into_iter().chain(std::iter::repeat(None))) {
+        for (((i, _, opened), gen), grammar) in
+            batch.into_iter().zip(gens).zip(grammars.into_iter().chain(std::iter::repeat(None)))
+        {
             // Under constrain_actions the engine's log-probs are of the masked distribution, and
             // at a temperature other than 1 of a tempered one (vLLM's raw ones are not): neither
             // compares with the policy's, so no importance correction uses them.

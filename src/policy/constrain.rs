@@ -64,7 +64,9 @@ impl<T: Copy + PartialEq> Pieces<T> {
     /// Each state's successors on `c`, and the symbol each state expects next.
     fn moves(&self, max: usize, s: At) -> Vec<(T, At)> {
         match s {
-            At::Before { done } => (0..self.actions.len()).map(|a| (self.actions[a][0], self.advance(done, a, 1))).collect(),
+            At::Before { done } => {
+                (0..self.actions.len()).map(|a| (self.actions[a][0], self.advance(done, a, 1))).collect()
+            }
             At::In { done, a, len } => vec![(self.actions[a][len], self.advance(done, a, len + 1))],
             At::After { done } => {
                 let mut m = vec![(self.close[0], self.closing(1))];
@@ -128,12 +130,21 @@ impl AnswerGrammar {
     pub fn new(actions: &[String], max_actions: usize, starts_inside: bool) -> Option<Self> {
         let actions: Vec<Vec<u8>> = actions.iter().filter(|a| !a.is_empty()).map(|a| a.as_bytes().to_vec()).collect();
         let text = Pieces { actions, sep: SEP.as_bytes().to_vec(), close: CLOSE.as_bytes().to_vec() };
-        (!text.actions.is_empty()).then_some(Self { text, tokens: None, max_actions: max_actions.max(1), starts_inside })
+        (!text.actions.is_empty()).then_some(Self {
+            text,
+            tokens: None,
+            max_actions: max_actions.max(1),
+            starts_inside,
+        })
     }
 
     /// The grammar over token ids, each piece tokenised by `encode` on its own. Kept over text
     /// where a piece does not tokenise to ids that decode back to it (`decode`), or is empty.
-    pub fn with_tokens(mut self, encode: impl Fn(&str) -> Option<Vec<u32>>, decode: impl Fn(&[u32]) -> Option<String>) -> Self {
+    pub fn with_tokens(
+        mut self,
+        encode: impl Fn(&str) -> Option<Vec<u32>>,
+        decode: impl Fn(&[u32]) -> Option<String>,
+    ) -> Self {
         let piece = |text: &[u8]| -> Option<Vec<u32>> {
             let text = std::str::from_utf8(text).ok()?;
             let ids = encode(text).filter(|ids| !ids.is_empty())?;
@@ -195,7 +206,9 @@ impl AnswerGrammar {
         (0..token_texts.len() as u32)
             .filter(|&id| {
                 let b = token_texts[id as usize].as_bytes();
-                !b.is_empty() && first.contains(&b[0]) && !b.iter().fold(states.clone(), |s, &c| g.step(max, &s, c)).is_empty()
+                !b.is_empty()
+                    && first.contains(&b[0])
+                    && !b.iter().fold(states.clone(), |s, &c| g.step(max, &s, c)).is_empty()
             })
             .collect()
     }
@@ -253,9 +266,26 @@ mod tests {
     }
 
     fn texts() -> Vec<String> {
-        ["", "U", "p", "pper", "Down", "</answer>", "</", " ||", "x", "<|im_end|>", " Up", " ", "<answer>", "ok", "<answe", "r>U"]
-            .map(String::from)
-            .to_vec()
+        [
+            "",
+            "U",
+            "p",
+            "pper",
+            "Down",
+            "</answer>",
+            "</",
+            " ||",
+            "x",
+            "<|im_end|>",
+            " Up",
+            " ",
+            "<answer>",
+            "ok",
+            "<answe",
+            "r>U",
+        ]
+        .map(String::from)
+        .to_vec()
     }
 
     #[test]
@@ -265,7 +295,11 @@ mod tests {
         assert_eq!(g.next_tokens("U", &[1], &t), Some(vec![2, 3]));
         // One action at most: after it only the closing tag (and `Upp…` of Upper).
         assert_eq!(g.next_tokens("Up", &[1, 2], &t), Some(vec![2, 5, 6]));
-        assert_eq!(grammar(2).next_tokens("Up", &[1, 2], &t), Some(vec![2, 5, 6, 7, 11]), "then ` ||` or ` `, never ` Up`");
+        assert_eq!(
+            grammar(2).next_tokens("Up", &[1, 2], &t),
+            Some(vec![2, 5, 6, 7, 11]),
+            "then ` ||` or ` `, never ` Up`"
+        );
         assert_eq!(g.next_tokens("nonsense", &[8], &t), None, "off the grammar: free");
         assert_eq!(g.next_tokens("Up</answer>", &[1, 2, 5], &t), None, "complete: free");
     }
@@ -275,8 +309,13 @@ mod tests {
     #[test]
     fn over_tokens_only_the_canonical_ids_may_follow_and_think_mode_waits_for_the_answer() {
         let t = texts();
-        let table: Vec<(&str, Vec<u32>)> =
-            vec![("Up", vec![1, 2]), ("Down", vec![4]), ("Upper", vec![1, 3]), (" || ", vec![7, 11]), ("</answer>", vec![5])];
+        let table: Vec<(&str, Vec<u32>)> = vec![
+            ("Up", vec![1, 2]),
+            ("Down", vec![4]),
+            ("Upper", vec![1, 3]),
+            (" || ", vec![7, 11]),
+            ("</answer>", vec![5]),
+        ];
         let encode = |s: &str| table.iter().find(|(k, _)| *k == s).map(|(_, v)| v.clone());
         let decode = |ids: &[u32]| Some(ids.iter().map(|&i| t[i as usize].as_str()).collect::<String>());
         let g = grammar(2).with_tokens(encode, decode);

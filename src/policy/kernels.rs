@@ -314,7 +314,10 @@ impl TokenScores {
                 candle_core::bail!("token-scores: allowed token {j} outside a vocabulary of {v}");
             }
             if !ids.contains(&self.targets[r]) {
-                candle_core::bail!("token-scores: row {r}'s target {} is not among its allowed tokens", self.targets[r]);
+                candle_core::bail!(
+                    "token-scores: row {r}'s target {} is not among its allowed tokens",
+                    self.targets[r]
+                );
             }
         }
         Ok(())

@@ -206,7 +206,9 @@ impl TokenBatch {
                 let ids = (r0..r1).flat_map(|r| self.ids[r * self.len..r * self.len + len].iter().copied()).collect();
                 let allowed = match self.allowed.is_empty() {
                     true => Vec::new(),
-                    false => (r0..r1).flat_map(|r| self.allowed[r * self.len..r * self.len + len].iter().cloned()).collect(),
+                    false => {
+                        (r0..r1).flat_map(|r| self.allowed[r * self.len..r * self.len + len].iter().cloned()).collect()
+                    }
                 };
                 let part = TokenBatch {
                     ids,

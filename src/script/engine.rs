@@ -139,7 +139,8 @@ impl Host {
 pub fn project_of(script: &Path) -> PathBuf {
     let full = script.canonicalize().unwrap_or_else(|_| script.to_path_buf());
     let dir = full.parent().map(Path::to_path_buf).unwrap_or_default();
-    let root = dir.ancestors().find(|d| d.file_name().and_then(|n| n.to_str()).is_some_and(|n| SCRIPT_ROOTS.contains(&n)));
+    let root =
+        dir.ancestors().find(|d| d.file_name().and_then(|n| n.to_str()).is_some_and(|n| SCRIPT_ROOTS.contains(&n)));
     match root.and_then(Path::parent) {
         Some(project) => project.to_path_buf(),
         None if dir.as_os_str().is_empty() => PathBuf::from("."),

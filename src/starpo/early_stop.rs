@@ -11,7 +11,9 @@
 //!
 //! And one of ours, on by default: every group scored alike (no reward variance anywhere, so
 //! StarPO skips the update) for `flat_steps` steps in a row. The run has nothing left to learn
-//! from: it ends as `solved` when the episodes succeed, else as `no_variance`, saying what to try.
+//! from: it ends as `solved` when the episodes succeed; else it first samples hotter
+//! (`explore_temperature`: the policy collapsed onto one outcome, so widen what it tries) and,
+//! flat still at the cap, ends as `no_variance`, saying what to try.
 use serde_json::{json, Map, Value};
 
 settings_section! {
@@ -35,6 +37,10 @@ settings_section! {
         flat_steps: usize = 5,
         /// Such a run is `solved` when the last flat step's success rate reaches this.
         solved_success: f64 = 0.95,
+        /// A flat run that is not solved first explores: each flat streak raises
+        /// rollout.temperature 1.5× up to this, and only a streak at this temperature stops it
+        /// as `no_variance`; at or under rollout.temperature, off.
+        explore_temperature: f64 = 2.0,
     }
 }
 
@@ -46,6 +52,13 @@ pub struct Stopped {
     pub kind: &'static str,
     pub message: String,
     pub fields: Map<String, Value>,
+}
+
+/// A flat, unsolved run's next sampling temperature (`stop.explore_temperature`), where it
+/// may still explore from `temperature`.
+pub fn explore_temperature(s: &Stop, temperature: f64) -> Option<f64> {
+    let next = (temperature * 1.5).min(s.explore_temperature);
+    (next > temperature).then_some(next)
 }
 
 /// The stops' running state, fed once per step and once per validation.
@@ -107,6 +120,11 @@ impl EarlyStop {
                 ("recent_std", json!(self.low_stds)),
             ]),
         })
+    }
+
+    /// Count flat steps afresh (after the run reacted to a flat streak).
+    pub fn reset_flat(&mut self) {
+        self.flat_run = 0;
     }
 
     /// One step's flatness: the mean in-group reward std over all its groups, its success rate
@@ -212,6 +230,15 @@ mod tests {
             assert!(e.step(&off, true, 0.0).is_none() && e.validation(&off, 0.0).is_none());
             assert!(e.flat(&off, 0.0, 0.0, 0.0).is_none());
         }
+    }
+
+    #[test]
+    fn a_flat_run_explores_up_to_the_cap() {
+        let s = Stop::default();
+        assert_eq!(explore_temperature(&s, 1.0), Some(1.5));
+        assert_eq!(explore_temperature(&s, 1.5), Some(2.0));
+        assert_eq!(explore_temperature(&s, 2.0), None);
+        assert_eq!(explore_temperature(&Stop { explore_temperature: 0.0, ..s }, 1.0), None, "off");
     }
 
     #[test]

@@ -395,7 +395,14 @@ fn play(
         completion_tokens += resp.usage.completion_tokens;
         let text =
             restore_stop(choice.message.content, choice.finish_reason.as_deref(), choice.stop_reason.as_ref(), CLOSE);
-        let reply = Reply { text, tokens: resp.usage.completion_tokens, forced: false, sampled: None, verbatim: None, grammar: None };
+        let reply = Reply {
+            text,
+            tokens: resp.usage.completion_tokens,
+            forced: false,
+            sampled: None,
+            verbatim: None,
+            grammar: None,
+        };
         play.take_reply(&turns, scripts, r, turn, opened, reply, |t| Ok(t.split_whitespace().count()))?;
         if play.done {
             break;

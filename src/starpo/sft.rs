@@ -334,7 +334,8 @@ fn passes(
     micro_batches(seqs, &all, micro_batch_size, policy.pad_id)?
         .into_iter()
         .map(|(rows, tb)| {
-            let m: Vec<Vec<f32>> = rows.iter().map(|&i| seqs[i].mask.iter().map(|&x| x as u8 as f32).collect()).collect();
+            let m: Vec<Vec<f32>> =
+                rows.iter().map(|&i| seqs[i].mask.iter().map(|&x| x as u8 as f32).collect()).collect();
             let mask = rows_tensor(&m, tb.len, policy.device())?;
             Ok((tb, mask))
         })

@@ -24,7 +24,7 @@ use indicatif::ProgressBar;
 use serde_json::{json, Map, Value};
 
 use super::advantage::{outcome, turn_grpo};
-use super::early_stop::{EarlyStop, Stopped};
+use super::early_stop::{explore_temperature, EarlyStop, Stopped};
 use super::filter::{group_metric, group_stds, select};
 use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
@@ -582,6 +582,26 @@ pub fn train(opts: Options) -> Result<Summary> {
         // 7. Validate. Then the early stops (stop.*; RAGEN-2's off by default, ours on flat runs).
         let ragen2 = stops.step(&s.stop, kept.is_empty(), mean_std);
         let mut stopped = ragen2.or(stops.flat(&s.stop, mean_std, success, reward));
+        // Collapsed onto one outcome: sample hotter before giving up (stop.explore_temperature).
+        if let Some(t) = stopped
+            .as_ref()
+            .filter(|x| x.kind == "no_variance")
+            .and_then(|_| explore_temperature(&s.stop, s.rollout.temperature))
+        {
+            let message = format!(
+                "no group's episodes scored differently for {} steps in a row: rollout.temperature {} → {t} to explore (stop.explore_temperature = {})",
+                s.stop.flat_steps, s.rollout.temperature, s.stop.explore_temperature
+            );
+            let fields = Map::from_iter([
+                ("from".to_string(), json!(s.rollout.temperature)),
+                ("temperature".to_string(), json!(t)),
+            ]);
+            run.event(step, "explore", &message, fields)?;
+            bar.println(format!("step {step}: {message}"));
+            s.rollout.temperature = t;
+            stops.reset_flat();
+            stopped = None;
+        }
         if s.train.val_every > 0 && step % s.train.val_every as u64 == 0 {
             while let Err(e) =
                 validate(&policy, engine.as_ref(), &scripts, &exp, &s, &run, (step, version), &mut summary)
