@@ -591,9 +591,11 @@ fn flat_runs_stop_as_solved_or_with_no_variance() {
     fs::write(p.path().join("scripts/flat.rhai"), bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai"))
         .unwrap();
     // (The flat reward scores every bandit episode 0 whatever the env's success says.)
-    // An unsolved flat run first samples hotter (1.0 → 1.5 → 2.0, a flat streak each), then stops.
+    // With stop.explore_temperature, an unsolved flat run first samples hotter (1.0 → 1.5 → 2.0,
+    // a flat streak each), then stops.
     for (script, kind, steps) in [("scripts/phases.rhai", "solved", 2), ("scripts/flat.rhai", "no_variance", 6)] {
         let mut c = train(p.path(), &["--env", script, "--steps", "8", "--set", "stop.flat_steps=2"]);
+        c.args(["--set", "stop.explore_temperature=2.0"]);
         c.args(["--set", "rollout.response_length=24", "--run-dir", "runs/flat"]);
         let out = run_ok(c);
         assert!(out.contains("stopped early"), "{out}");
