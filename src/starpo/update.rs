@@ -54,6 +54,30 @@ pub struct UpdateStats {
     pub tis: Option<TisStats>,
 }
 
+/// One mini-batch's update figures, and their sums over mini-batches (`UpdateStats` divides).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sums {
+    pg_loss: f64,
+    entropy: f64,
+    clip_frac: f64,
+    approx_kl: f64,
+    kl: f64,
+    grad_norm: f64,
+    value_loss: f64,
+}
+
+impl Sums {
+    fn add(&mut self, o: &Sums) {
+        self.pg_loss += o.pg_loss;
+        self.entropy += o.entropy;
+        self.clip_frac += o.clip_frac;
+        self.approx_kl += o.approx_kl;
+        self.kl += o.kl;
+        self.grad_norm += o.grad_norm;
+        self.value_loss += o.value_loss;
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct TisStats {
     pub weight_mean: f64,
@@ -346,8 +370,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
 
     // 5. Epochs × mini-batches: critic step, then actor step.
     let mask_f: Vec<Vec<f32>> = masks.iter().map(|m| m.iter().map(|&x| x as u8 as f32).collect()).collect();
-    let (mut sums, mut count) = ([0.0f64; 7], 0usize);
-    let mut kl_sum = 0.0;
+    let (mut sums, mut count) = (Sums::default(), 0usize);
     for epoch in 0..so.epochs {
         let mut order = all.clone();
         if epoch > 0 {
@@ -386,7 +409,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             let mb_tokens: f64 = mb.iter().map(|&i| masks[i].iter().filter(|&&m| m).count() as f64).sum();
             let agg = |x: &Tensor, mask: &Tensor| agg_share(x, mask, sp.loss_agg_mode, mb.len(), mb_tokens);
             let mut grads = GradStore::default();
-            let mut mb_stats = [0.0f64; 5]; // pg, entropy, clip_frac, approx_kl, kl
+            let mut mb_stats = Sums::default();
             for (ids, tb) in &passes {
                 let t = tb.len;
                 let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
@@ -424,15 +447,15 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                         let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
                         if let Some(rl) = &rl {
                             let k = agg(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
-                            mb_stats[4] += k.to_scalar::<f32>()? as f64;
+                            mb_stats.kl += k.to_scalar::<f32>()? as f64;
                             loss = (loss + (k * sp.kl_coef)?)?;
                         }
-                        mb_stats[0] += pg_loss.to_scalar::<f32>()? as f64;
-                        mb_stats[1] += entropy.to_scalar::<f32>()? as f64;
+                        mb_stats.pg_loss += pg_loss.to_scalar::<f32>()? as f64;
+                        mb_stats.entropy += entropy.to_scalar::<f32>()? as f64;
                         // The diagnostics stay per-sequence token means, whatever the loss's mode.
-                        mb_stats[2] += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
+                        mb_stats.clip_frac += w * seq_mean_token_mean(&clipped, &mask)?.to_scalar::<f32>()? as f64;
                         let approx = seq_mean_token_mean(&(&old - scored.logprobs.detach())?, &mask)?;
-                        mb_stats[3] += w * approx.to_scalar::<f32>()? as f64;
+                        mb_stats.approx_kl += w * approx.to_scalar::<f32>()? as f64;
                         Ok(loss)
                     },
                     &mut grads,
@@ -445,23 +468,20 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
             } else {
                 phase::timed(Phase::Optimizer, || m.actor_opt.step(&grads, so.grad_clip))?
             };
-            for k in 0..4 {
-                sums[k] += mb_stats[k];
-            }
-            kl_sum += mb_stats[4];
-            sums[4] += norm;
-            sums[5] += vloss;
+            mb_stats.grad_norm = norm;
+            mb_stats.value_loss = vloss;
+            sums.add(&mb_stats);
             count += 1;
         }
     }
     let c = count.max(1) as f64;
-    stats.pg_loss = sums[0] / c;
-    stats.entropy = sums[1] / c;
-    stats.clip_frac = sums[2] / c;
-    stats.approx_kl = sums[3] / c;
-    stats.grad_norm = sums[4] / c;
-    stats.value_loss = m.critic.map(|_| sums[5] / c);
-    stats.kl = (m.reference.is_some() && sp.kl_coef > 0.0).then_some(kl_sum / c);
+    stats.pg_loss = sums.pg_loss / c;
+    stats.entropy = sums.entropy / c;
+    stats.clip_frac = sums.clip_frac / c;
+    stats.approx_kl = sums.approx_kl / c;
+    stats.grad_norm = sums.grad_norm / c;
+    stats.value_loss = m.critic.map(|_| sums.value_loss / c);
+    stats.kl = (m.reference.is_some() && sp.kl_coef > 0.0).then_some(sums.kl / c);
     stats.optimizer_steps = count;
     stats.tis = tis.then(|| tis_sums.stats());
     Ok(stats)
