@@ -7,8 +7,7 @@ use anyhow::{bail, Result};
 
 use super::history::History;
 use crate::policy::constrain::AnswerGrammar;
-use crate::policy::kernels::Allowed;
-use crate::policy::{ChatTokens, Policy};
+use crate::policy::{Allowed, ChatTokens, Policy};
 
 /// One trajectory as the update sees it (empty for an episode played over HTTP: no tokens).
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -7,6 +7,8 @@
 //! sequence for the update.
 //!
 //! What it does not do: scoring beyond the per-episode sum, normalisation, filtering (starpo/).
+use std::collections::HashMap;
+
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -281,10 +283,14 @@ pub fn rollout(
     let turns = Turns::new(scripts, &plan.params, s)?;
     let open_tag = policy.encode_plain(turns.open_tag)?;
     let (info, max_turns, limits, system) = (&turns.info, turns.max_turns, turns.limits, &turns.system);
-    // An answer names the state's legal actions (the env's own list when it gives none).
-    let turn_grammar = |valid: &[String]| {
+    // An answer names the state's legal actions (the env's own list when it gives none); each
+    // list's grammar is tokenised once a rollout.
+    let mut grammars_of: HashMap<Vec<String>, Option<AnswerGrammar>> = HashMap::new();
+    let mut turn_grammar = |valid: &[String]| {
         let names = if valid.is_empty() { &info.actions[..] } else { valid };
-        AnswerGrammar::new(names, limits.max_actions_per_turn, !s.think).map(|g| policy.canonical(g))
+        let made =
+            |n: &Vec<String>| AnswerGrammar::new(n, limits.max_actions_per_turn, !s.think).map(|g| policy.canonical(g));
+        grammars_of.entry(names.to_vec()).or_insert_with_key(made).clone()
     };
     let mut gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,

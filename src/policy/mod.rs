@@ -44,6 +44,7 @@ pub fn device() -> Result<Device> {
     Device::cuda_if_available(0).context("opening CUDA device 0")
 }
 pub use critic::Critic;
+pub use kernels::Allowed;
 pub use logprob::{Scored, TokenBatch};
 pub use model::Decoder;
 pub use resolve::ModelLocation;
