@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use ragen_lab::cli::check::check;
 use ragen_lab::script::check::check_env;
+use ragen_lab::script::pattern;
 use ragen_lab::script::turn::parse_turn;
 use ragen_lab::script::{
     shape_all, EnvScript, Experiment, Host, Limits, Loaded, PromptScript, RewardScript, Role, ScriptError, TurnContext,
@@ -759,6 +760,53 @@ fn invoice_rewards_right_decisions_and_extracted_fields() {
     assert!(ep.render().unwrap().contains("PO total: "));
     assert!(!ep.step("dance").unwrap().valid);
     assert!(ep.step("approve").unwrap().success);
+}
+
+/// The clerk's procedure solves every invoice, and each command it gives is one of the state's
+/// legal patterns (what the constrained decoder lets the model say).
+#[test]
+fn the_invoice_solver_solves_every_invoice_with_legal_commands() {
+    let e = env("invoice");
+    for p in ["0.0", "0.5", "1.0"] {
+        let p = params(&e, &[("problem_p", p)]);
+        for seed in 0..40 {
+            let mut ep = e.reset(seed, 0, &p).unwrap();
+            let mut last = None;
+            for _turn in 0..4 {
+                let legal = ep.valid_actions().unwrap();
+                for action in ep.solve().unwrap().expect("invoice defines solve") {
+                    assert!(legal.iter().any(|a| pattern::matches(a, &action)), "{action} not in {legal:?}");
+                    last = Some(ep.step(&action).unwrap());
+                }
+                if ep.done {
+                    break;
+                }
+            }
+            assert!(last.is_some_and(|o| o.done && o.success), "seed {seed}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_action_pattern_is_an_error_at_the_function_that_returned_it() {
+    let src = "fn describe(p) { #{ name: \"t\", instruction: \"i\", actions: [\"pay {money}\"] } }\n\
+               fn reset(seed, p) { #{ n: 0 } }\n\
+               fn render(s) { `n=${s.n}` }\n\
+               fn valid_actions(s) {\n  [\"pay {amount}\"]\n}\n\
+               fn step(s, a) { #{ reward: 0.0, done: true } }\n";
+    let dir = project(&[("envs/t.rhai", src)]);
+    let host = Host::new(dir.path(), tight());
+    let env = EnvScript::load(&host, Path::new("envs/t.rhai")).unwrap();
+    let ep = env.reset(0, 0, &Map::new()).unwrap();
+    let e = ep.valid_actions().unwrap_err();
+    assert_eq!((e.line, e.col), (4, 1), "points at fn valid_actions: {e}");
+    assert!(e.to_string().contains("unknown value shape `{amount}`"), "{e}");
+    let bad = src.replace("[\"pay {money}\"]", "[\"pay {money\"]");
+    let dir = project(&[("envs/t.rhai", &bad)]);
+    let e = EnvScript::load(&Host::new(dir.path(), tight()), Path::new("envs/t.rhai"))
+        .and_then(|env| env.info(&Map::new()))
+        .unwrap_err();
+    assert!(e.to_string().contains("not closed") && e.line == 1, "{e}");
 }
 
 // ---- prompt template and reward shaping ---------------------------------------------------------

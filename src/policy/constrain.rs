@@ -10,13 +10,17 @@
 //! answer so far is run through a small automaton, and a token is allowed when the automaton
 //! survives its text. Tokens whose text is empty (special tokens) or not ASCII are never
 //! allowed inside an answer.
+use crate::script::pattern::{self, Item, Pos, Sym, Symbol};
 
 /// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form, over
 /// text; and, once [`AnswerGrammar::with_tokens`] has tokenised its pieces, over token ids: each
 /// piece (an action name, ` || `, `</answer>`) as its own canonical tokens, so identical answers
-/// are identical ids and a choice between actions is a choice between their first tokens.
+/// are identical ids and a choice between actions is a choice between their first tokens. An
+/// action with value slots (`extract total={money}`, [`pattern`]) is followed over text: its
+/// values are not a list of names to tokenise.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AnswerGrammar {
+    names: Vec<String>,
     text: Pieces<u8>,
     tokens: Option<Pieces<u32>>,
     /// Most actions in one answer.
@@ -33,7 +37,7 @@ const SEP: &str = " || ";
 /// An answer's pieces, spelt in some alphabet (bytes or token ids).
 #[derive(Clone, Debug, PartialEq)]
 struct Pieces<T> {
-    actions: Vec<Vec<T>>,
+    actions: Vec<Vec<Item<T>>>,
     sep: Vec<T>,
     close: Vec<T>,
 }
@@ -43,8 +47,8 @@ struct Pieces<T> {
 enum At {
     /// Before an action.
     Before { done: usize },
-    /// `len` symbols into action `a`.
-    In { done: usize, a: usize, len: usize },
+    /// Inside action `a`, at `at` of its pattern.
+    In { done: usize, a: usize, at: Pos },
     /// After an action: ` || ` or `</answer>`.
     After { done: usize },
     /// `len` symbols into ` || `.
@@ -55,35 +59,46 @@ enum At {
     End,
 }
 
-impl<T: Copy + PartialEq> Pieces<T> {
+impl<T: Symbol> Pieces<T> {
     /// The states after `text`, from the start of an answer (empty: `text` is not a prefix).
     fn run(&self, max: usize, text: &[T]) -> Vec<At> {
         text.iter().fold(vec![At::Before { done: 0 }], |states, &c| self.step(max, &states, c))
     }
 
-    /// Each state's successors on `c`, and the symbol each state expects next.
-    fn moves(&self, max: usize, s: At) -> Vec<(T, At)> {
+    /// Each state's successors: the symbol that may come next and where it leads.
+    fn moves(&self, max: usize, s: At) -> Vec<(Sym<T>, At)> {
+        let is = |x: T| Sym::Is(x);
         match s {
-            At::Before { done } => {
-                (0..self.actions.len()).map(|a| (self.actions[a][0], self.advance(done, a, 1))).collect()
+            At::Before { done } => (0..self.actions.len())
+                .flat_map(|a| self.moves(max, At::In { done, a, at: Pos { item: 0, count: 0 } }))
+                .collect(),
+            At::In { done, a, at } => {
+                let mut m = Vec::new();
+                let may_end = pattern::moves(&self.actions[a], at, &mut m);
+                let after = At::After { done: done + 1 };
+                let mut out: Vec<_> =
+                    m.into_iter().map(|(x, to)| (x, to.map_or(after, |at| At::In { done, a, at }))).collect();
+                if may_end {
+                    out.extend(self.moves(max, after));
+                }
+                out
             }
-            At::In { done, a, len } => vec![(self.actions[a][len], self.advance(done, a, len + 1))],
             At::After { done } => {
-                let mut m = vec![(self.close[0], self.closing(1))];
+                let mut m = vec![(is(self.close[0]), self.closing(1))];
                 if done < max {
-                    m.push((self.sep[0], self.separating(done, 1)));
+                    m.push((is(self.sep[0]), self.separating(done, 1)));
                 }
                 m
             }
-            At::Sep { done, len } => vec![(self.sep[len], self.separating(done, len + 1))],
-            At::Close { len } => vec![(self.close[len], self.closing(len + 1))],
+            At::Sep { done, len } => vec![(is(self.sep[len]), self.separating(done, len + 1))],
+            At::Close { len } => vec![(is(self.close[len]), self.closing(len + 1))],
             At::End => vec![],
         }
     }
 
     fn step(&self, max: usize, states: &[At], c: T) -> Vec<At> {
         let mut next = Vec::new();
-        for (_, to) in states.iter().flat_map(|&s| self.moves(max, s)).filter(|(x, _)| *x == c) {
+        for (_, to) in states.iter().flat_map(|&s| self.moves(max, s)).filter(|(x, _)| x.accepts(c)) {
             if !next.contains(&to) {
                 next.push(to);
             }
@@ -92,7 +107,7 @@ impl<T: Copy + PartialEq> Pieces<T> {
     }
 
     /// The symbols that may come next.
-    fn next(&self, max: usize, states: &[At]) -> Vec<T> {
+    fn next(&self, max: usize, states: &[At]) -> Vec<Sym<T>> {
         let mut out = Vec::new();
         for (x, _) in states.iter().flat_map(|&s| self.moves(max, s)) {
             if !out.contains(&x) {
@@ -100,14 +115,6 @@ impl<T: Copy + PartialEq> Pieces<T> {
             }
         }
         out
-    }
-
-    /// `len` symbols into action `a`, or past it when that is all of it.
-    fn advance(&self, done: usize, a: usize, len: usize) -> At {
-        match len == self.actions[a].len() {
-            true => At::After { done: done + 1 },
-            false => At::In { done, a, len },
-        }
     }
 
     fn separating(&self, done: usize, len: usize) -> At {
@@ -126,11 +133,14 @@ impl<T: Copy + PartialEq> Pieces<T> {
 }
 
 impl AnswerGrammar {
-    /// `None` when there is nothing to constrain to (a free-text env).
+    /// `None` when there is nothing to constrain to (a free-text env). An action that is not a
+    /// well-formed pattern is taken as a plain name (`check` reports it).
     pub fn new(actions: &[String], max_actions: usize, starts_inside: bool) -> Option<Self> {
-        let actions: Vec<Vec<u8>> = actions.iter().filter(|a| !a.is_empty()).map(|a| a.as_bytes().to_vec()).collect();
-        let text = Pieces { actions, sep: SEP.as_bytes().to_vec(), close: CLOSE.as_bytes().to_vec() };
-        (!text.actions.is_empty()).then_some(Self {
+        let names: Vec<String> = actions.iter().filter(|a| !a.is_empty()).cloned().collect();
+        let items = names.iter().map(|a| pattern::items(a)).collect();
+        let text = Pieces { actions: items, sep: SEP.as_bytes().to_vec(), close: CLOSE.as_bytes().to_vec() };
+        (!names.is_empty()).then_some(Self {
+            names,
             text,
             tokens: None,
             max_actions: max_actions.max(1),
@@ -139,7 +149,8 @@ impl AnswerGrammar {
     }
 
     /// The grammar over token ids, each piece tokenised by `encode` on its own. Kept over text
-    /// where a piece does not tokenise to ids that decode back to it (`decode`), or is empty.
+    /// where an action has a value slot, or a piece does not tokenise to ids that decode back to
+    /// it (`decode`), or is empty.
     pub fn with_tokens(
         mut self,
         encode: impl Fn(&str) -> Option<Vec<u32>>,
@@ -150,7 +161,15 @@ impl AnswerGrammar {
             let ids = encode(text).filter(|ids| !ids.is_empty())?;
             (decode(&ids)? == text).then_some(ids)
         };
-        let actions: Option<Vec<Vec<u32>>> = self.text.actions.iter().map(|a| piece(a)).collect();
+        let literal = |items: &Vec<Item<u8>>| -> Option<Vec<u8>> {
+            items.iter().map(|it| if let (Sym::Is(b), 1, 1) = (it.sym, it.min, it.max) { Some(b) } else { None }).collect()
+        };
+        let actions: Option<Vec<Vec<Item<u32>>>> = self
+            .text
+            .actions
+            .iter()
+            .map(|a| Some(piece(&literal(a)?)?.into_iter().map(Item::once).collect()))
+            .collect();
         self.tokens = match (actions, piece(&self.text.sep), piece(&self.text.close)) {
             (Some(actions), Some(sep), Some(close)) => Some(Pieces { actions, sep, close }),
             _ => None,
@@ -161,8 +180,7 @@ impl AnswerGrammar {
     /// What it was built from: (action names, most actions per answer, starts inside), to send
     /// to an engine that builds its own (`answer_grammar` of `ragen-lab serve`).
     pub fn parts(&self) -> (Vec<String>, usize, bool) {
-        let names = self.text.actions.iter().map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        (names, self.max_actions, self.starts_inside)
+        (self.names.clone(), self.max_actions, self.starts_inside)
     }
 
     /// The part of a reply the grammar governs: all of it in no-think mode, else what follows
@@ -187,7 +205,10 @@ impl AnswerGrammar {
     pub fn next_tokens(&self, reply: &str, ids: &[u32], token_texts: &[String]) -> Option<Vec<u32>> {
         let answer = self.answer_part(reply)?;
         let mut out = match (&self.tokens, answer_ids(reply.len() - answer.len(), ids, token_texts)) {
-            (Some(tokens), Some(ids)) => tokens.next(self.max_actions, &tokens.run(self.max_actions, ids)),
+            (Some(tokens), Some(ids)) => {
+                let next = tokens.next(self.max_actions, &tokens.run(self.max_actions, ids));
+                next.into_iter().filter_map(|x| if let Sym::Is(id) = x { Some(id) } else { None }).collect()
+            }
             _ => self.text_tokens(answer, token_texts),
         };
         out.sort_unstable();
@@ -202,12 +223,17 @@ impl AnswerGrammar {
             return vec![];
         }
         // Bytes that can come next, to reject most of the vocabulary at its first byte.
-        let first = g.next(max, &states);
+        let mut first = [false; 256];
+        for x in g.next(max, &states) {
+            for b in 0..=255u8 {
+                first[b as usize] |= x.accepts(b);
+            }
+        }
         (0..token_texts.len() as u32)
             .filter(|&id| {
                 let b = token_texts[id as usize].as_bytes();
                 !b.is_empty()
-                    && first.contains(&b[0])
+                    && first[b[0] as usize]
                     && !b.iter().fold(states.clone(), |s, &c| g.step(max, &s, c)).is_empty()
             })
             .collect()
@@ -302,6 +328,30 @@ mod tests {
         );
         assert_eq!(g.next_tokens("nonsense", &[8], &t), None, "off the grammar: free");
         assert_eq!(g.next_tokens("Up</answer>", &[1, 2, 5], &t), None, "complete: free");
+    }
+
+    /// A value slot is followed over text whatever `with_tokens` was given: any tokenisation of
+    /// a value of the slot's shape, and the closing tag only once the shape is complete.
+    #[test]
+    fn a_value_slot_admits_its_shape_and_closes_only_when_complete() {
+        let t: Vec<String> = ["", "pay ", "pay", " ", "12", "3", ".", ".5", "0", "</answer>", "x", "1.", "approve"]
+            .map(String::from)
+            .to_vec();
+        let g = AnswerGrammar::new(&["pay {money}".into(), "approve".into()], 1, true)
+            .unwrap()
+            .with_tokens(|s| Some(vec![s.len() as u32]), |_| Some(String::new()));
+        let ids = |text: &str| vec![0u32; text.len().min(1)];
+        for (so_far, want) in [
+            ("", vec![1, 2, 12]),
+            ("pay ", vec![4, 5, 8, 11]),
+            ("pay 12", vec![4, 5, 6, 7, 8, 11]),
+            ("pay 12.5", vec![5, 8]),
+            ("pay 12.50", vec![9]),
+        ] {
+            assert_eq!(g.next_tokens(so_far, &ids(so_far), &t), Some(want), "after {so_far:?}");
+        }
+        assert!(!g.allows("pay 1", "x") && g.allows("pay 1", ".00</answer>"));
+        assert_eq!(g.parts().0, ["pay {money}", "approve"]);
     }
 
     /// With its pieces tokenised, an answer is spelt in their canonical ids only: `U` then `p`

@@ -17,6 +17,7 @@ use serde_json::{Map, Value};
 use super::engine::Script;
 use super::error::{ErrorKind, ScriptError};
 use super::params;
+use super::pattern;
 use crate::rng::Rng;
 
 pub(crate) fn to_dynamic(v: &impl Serialize, script: &str) -> Result<Dynamic, ScriptError> {
@@ -88,6 +89,14 @@ pub(crate) fn reward_value(v: &Dynamic, what: &str) -> Result<f64, String> {
     Ok(r)
 }
 
+/// Every action a well-formed name or pattern ([`pattern::parse`]), else an error at `f`.
+fn check_patterns(script: &Script, f: &str, actions: &[String]) -> Result<(), ScriptError> {
+    for a in actions {
+        pattern::parse(a).map_err(|m| script.error_in(f, ErrorKind::Contract, format!("{f}: {m}")))?;
+    }
+    Ok(())
+}
+
 impl EnvInfo {
     fn from_value(script: &Script, v: Value) -> Result<Self, ScriptError> {
         let err = |m: String| script.error_in("describe", ErrorKind::Contract, format!("describe must return {m}"));
@@ -118,6 +127,7 @@ impl EnvInfo {
                 .collect::<Result<_, _>>()?,
             Some(other) => return Err(err(format!("`actions` as an array of strings; got {other}"))),
         };
+        check_patterns(script, "describe", &actions)?;
         let mut take_count = |key: &str, max: u64| -> Result<Option<usize>, ScriptError> {
             match m.remove(key) {
                 None => Ok(None),
@@ -326,7 +336,9 @@ impl Episode {
         let v = self.env.0.call("valid_actions", (self.state.clone(),), None)?;
         match to_json(&v) {
             Ok(Value::Array(a)) if a.iter().all(Value::is_string) => {
-                Ok(a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+                let actions: Vec<String> = a.into_iter().filter_map(|x| x.as_str().map(str::to_string)).collect();
+                check_patterns(&self.env.0, "valid_actions", &actions)?;
+                Ok(actions)
             }
             Ok(Value::Array(a)) => Err(self.env.0.error_in(
                 "valid_actions",

@@ -58,6 +58,7 @@ pub use memory::Counted;
 pub use resolver::{confine, read_script, MAX_IMPORT_DEPTH, SCRIPT_ROOTS};
 mod env;
 pub mod params;
+pub mod pattern;
 
 pub use env::{EnvInfo, EnvScript, Episode, StepOutcome};
 pub use params::parse_assignment;

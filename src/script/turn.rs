@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::env::{EnvInfo, Episode, StepOutcome};
 use super::error::ScriptError;
+use super::pattern;
 
 /// The separator between actions in one answer.
 pub const ACTION_SEP: &str = "||";
@@ -84,6 +85,9 @@ pub fn parse_turn(response: &str, actions: &[String], max_actions_per_turn: usiz
             valid.push(piece.to_string());
         } else if let Some(name) = actions.iter().find(|a| a.eq_ignore_ascii_case(piece)) {
             valid.push(name.clone());
+        } else if actions.iter().any(|a| pattern::has_slot(a) && pattern::matches(a, piece)) {
+            // An action with arguments: the env reads its values from the text as written.
+            valid.push(piece.to_string());
         } else {
             invalid.push(piece.to_string());
         }
@@ -247,6 +251,14 @@ mod tests {
         assert_eq!(t.actions, ["Up"]);
         assert_eq!(t.invalid_actions, ["jump"]);
         assert!(t.penalized());
+    }
+
+    #[test]
+    fn an_action_with_arguments_is_taken_as_written_where_its_pattern_matches() {
+        let acts: Vec<String> = ["approve", "extract total={money}"].map(String::from).to_vec();
+        let t = parse_turn("extract total=12.50 || extract total=12 || Approve</answer>", &acts, 3, false);
+        assert_eq!(t.actions, ["extract total=12.50", "approve"]);
+        assert_eq!(t.invalid_actions, ["extract total=12"]);
     }
 
     #[test]

@@ -120,6 +120,26 @@ pub fn group_stds(scores: &[f64], groups: &[Vec<usize>]) -> Vec<f64> {
     group_metric(FilterMetric::RewardVariance, scores, &[], &[], groups)
 }
 
+/// Whether each group's episodes are one trajectory token for token (`ids`: each episode's
+/// packed ids; an episode without tokens, played over HTTP, never counts). Their scores can
+/// still differ (the env's dice: a Bandit arm that pays a quarter of the time), but their
+/// advantages sum to 0 on the same tokens, so their policy gradient cancels exactly: a filter
+/// that ranks by reward spread would spend a kept slot on a group that teaches nothing, while a
+/// group whose members chose differently waits (a converged Bandit after a reward edit kept
+/// lucky groups of the old arm and never the rare pick of the new one).
+pub fn alike_groups(ids: &[&[u32]], groups: &[Vec<usize>]) -> Vec<bool> {
+    groups
+        .iter()
+        .map(|m| m.len() > 1 && !ids[m[0]].is_empty() && m.iter().all(|&i| ids[i] == ids[m[0]]))
+        .collect()
+}
+
+/// The reward spread the agent's choices made: each group's std, 0 for a group of alike
+/// episodes ([`alike_groups`]).
+pub fn choice_stds(stds: &[f64], alike: &[bool]) -> Vec<f64> {
+    stds.iter().zip(alike).map(|(&s, &a)| if a { 0.0 } else { s }).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,6 +234,25 @@ mod tests {
         assert_eq!(select(&v, &mp(FilterType::Largest)), vec![0, 2, 3]);
         // smallest: ≤ 0.2 / 0.5 = 0.4 → 0.2, 0.4.
         assert_eq!(select(&v, &mp(FilterType::Smallest)), vec![1, 2]);
+    }
+
+    #[test]
+    fn alike_groups_rank_as_no_spread() {
+        let (a, b): (&[u32], &[u32]) = (&[1, 2, 3], &[1, 2, 4]);
+        // Group 0: one trajectory scored 0 and 1 (luck); group 1: two choices; group 2: no tokens.
+        let ids = [a, a, a, b, &[], &[]];
+        let groups = vec![vec![0, 1], vec![2, 3], vec![4, 5]];
+        let alike = alike_groups(&ids, &groups);
+        assert_eq!(alike, [true, false, false]);
+        let stds = group_stds(&[0.0, 1.0, 0.6, 0.0, 0.5, 0.5], &groups);
+        assert!(stds[0] > stds[1], "luck spreads group 0 more than the choice spreads group 1");
+        let spread = choice_stds(&stds, &alike);
+        assert_eq!(spread[0], 0.0);
+        assert_eq!(spread[1], stds[1]);
+        // The std filter keeping one group of three now keeps a group whose members chose.
+        let s = with(|s| s.filter_ratio = 0.34);
+        assert_eq!(select(&stds, &s), [0]);
+        assert_eq!(select(&spread, &s), [1]);
     }
 
     #[test]

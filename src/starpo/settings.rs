@@ -214,6 +214,11 @@ settings_section! {
         dual_clip: f64 = 3.0,
         /// Entropy bonus coefficient.
         entropy_coef: f64 = 0.001,
+        /// An entropy bonus on constrained answers' choices only (rollout.constrain_actions), of
+        /// the distribution over the answers the grammar allowed: it keeps a rarely picked answer
+        /// sampled, so an answer that becomes better (a reward edit) is found again. Per token it
+        /// weighs against the advantage: at β the policy settles where p(a) ∝ exp(A(a)/β).
+        answer_entropy_coef: f64 = 0.0,
         /// KL-loss coefficient against the frozen reference (0 = no reference model).
         kl_coef: f64 = 0.0,
         /// KL estimator: k1, abs, mse or k3 (low-var-kl).
@@ -524,7 +529,10 @@ impl Settings {
                 "starpo.clip_low must be in [0, 1) and starpo.clip_high ≥ 0",
             ),
             (s.dual_clip == 0.0 || s.dual_clip > 1.0, "starpo.dual_clip must be 0 (off) or > 1"),
-            (s.kl_coef >= 0.0 && s.entropy_coef >= 0.0, "starpo.kl_coef and starpo.entropy_coef must be ≥ 0"),
+            (
+                s.kl_coef >= 0.0 && s.entropy_coef >= 0.0 && s.answer_entropy_coef >= 0.0,
+                "starpo.kl_coef, starpo.entropy_coef and starpo.answer_entropy_coef must be ≥ 0",
+            ),
             (o.lr > 0.0 && o.critic_lr > 0.0, "optim.lr and optim.critic_lr must be > 0"),
             (
                 o.mini_batch_size >= 1 && o.micro_batch_size >= 1,

@@ -25,7 +25,7 @@ use serde_json::{json, Map, Value};
 
 use super::advantage::{outcome, turn_grpo};
 use super::early_stop::{explore_temperature, EarlyStop, Stopped};
-use super::filter::{group_metric, group_stds, select};
+use super::filter::{alike_groups, choice_stds, group_metric, group_stds, select};
 use super::normalize::{norm_groups, normalize, normalizer};
 use super::optim::AdamW;
 use super::progress::progress_bar;
@@ -379,10 +379,14 @@ pub fn train(opts: Options) -> Result<Summary> {
         let sets = norm_groups(s.starpo.reward_norm_grouping, &members);
         let normed = normalize(&scores, &sets, s.starpo.reward_norm);
 
-        // 4. Filter whole groups, ranked by in-group reward std (or the chosen metric).
+        // 4. Filter whole groups, ranked by in-group reward std (or the chosen metric); the std of
+        // a group that played one trajectory is luck, not the agent's, and ranks as none.
         let stds = group_stds(&scores, &members);
+        let ids: Vec<&[u32]> = trajs.iter().map(|t| t.packed.ids.as_slice()).collect();
+        let alike = alike_groups(&ids, &members);
         let metric = match s.starpo.filter {
-            FilterKind::None | FilterKind::Std => stds.clone(),
+            FilterKind::None | FilterKind::Std => choice_stds(&stds, &alike),
+            _ if s.starpo.filter_metric == FilterMetric::RewardVariance => choice_stds(&stds, &alike),
             _ => {
                 let entropies = match s.starpo.filter_metric {
                     FilterMetric::Entropy | FilterMetric::EntropyVariance => {
@@ -425,9 +429,14 @@ pub fn train(opts: Options) -> Result<Summary> {
         let whitened =
             matches!(s.starpo.advantage, AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline);
         let flat = |x: f64| if whitened { x == adv[kept[0]] } else { x == 0.0 };
+        // A kept group of alike episodes has advantages, but they cancel on its one trajectory
+        // (its answer entropy bonus, where one is set, is what spreads a settled choice again).
+        let cancels = |g: usize| alike[g] && s.starpo.answer_entropy_coef == 0.0;
         let no_signal = !kept.is_empty()
             && !s.needs_critic()
-            && kept.iter().all(|&i| flat(adv[i]) && turn_adv[i].iter().all(|&x| x == 0.0));
+            && kept_groups.iter().all(|&g| {
+                cancels(g) || members[g].iter().all(|&i| flat(adv[i]) && turn_adv[i].iter().all(|&x| x == 0.0))
+            });
         if kept.is_empty() {
             let msg = format!(
                 "the filter kept no group ({:?} of {:?}): update skipped",
@@ -435,7 +444,8 @@ pub fn train(opts: Options) -> Result<Summary> {
             );
             run.event(step, "empty_filter", &msg, Map::new())?;
         } else if no_signal {
-            let msg = "every kept advantage is 0 (no reward variance in the kept groups): update skipped";
+            let msg = "every kept advantage is 0 or cancels (no reward variance in the kept groups, or each \
+                       played one trajectory): update skipped";
             run.event(step, "no_signal", msg, Map::new())?;
         }
         let skipped = kept.is_empty() || no_signal;

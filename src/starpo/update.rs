@@ -370,6 +370,15 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
 
     // 5. Epochs × mini-batches: critic step, then actor step.
     let mask_f: Vec<Vec<f32>> = masks.iter().map(|m| m.iter().map(|&x| x as u8 as f32).collect()).collect();
+    // The constrained choices (trained positions the grammar gave more than one token): where
+    // starpo.answer_entropy_coef keeps the policy from settling on one answer for good.
+    let choice_f: Vec<Vec<f32>> = items
+        .iter()
+        .map(|it| {
+            let p = it.packed;
+            (0..p.mask.len()).map(|t| (p.mask[t] && p.allowed.get(t).is_some_and(Option::is_some)) as u8 as f32).collect()
+        })
+        .collect();
     let (mut sums, mut count) = (Sums::default(), 0usize);
     for epoch in 0..so.epochs {
         let mut order = all.clone();
@@ -415,6 +424,10 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                 let pick = |v: &Vec<Vec<f32>>| ids.iter().map(|&i| v[i].clone()).collect::<Vec<_>>();
                 let (olp, ad, mk) = (pick(&old_lp), pick(&adv), pick(&mask_f));
                 let mask = rows_tensor(&mk, t, &dev)?;
+                let choices = match sp.answer_entropy_coef > 0.0 {
+                    true => Some(rows_tensor(&pick(&choice_f), t, &dev)?),
+                    false => None,
+                };
                 let old = if single_step { None } else { Some(rows_tensor(&olp, t, &dev)?) };
                 let w = weight(tb.rows);
                 let ad = rows_tensor(&ad, t, &dev)?;
@@ -445,6 +458,12 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
                         let pg_loss = agg(&pg, &mask)?;
                         let entropy = agg(&scored.entropy, &mask)?;
                         let mut loss = (&pg_loss - (&entropy * sp.entropy_coef)?)?;
+                        if let Some(choices) = &choices {
+                            // Shared with the other token losses' denominator: per token, a
+                            // choice's entropy weighs against its advantage.
+                            let h = (agg(&(&scored.entropy * choices)?, &mask)? * sp.answer_entropy_coef)?;
+                            loss = (loss - h)?;
+                        }
                         if let Some(rl) = &rl {
                             let k = agg(&kl(&scored.logprobs, rl, sp.kl_type)?, &mask)?;
                             mb_stats.kl += k.to_scalar::<f32>()? as f64;
