@@ -6,23 +6,28 @@
 //! history token for token. A misspelt or invented action cannot happen; which action to take
 //! is still the model's choice. Off by default: RAGEN samples freely.
 //!
-//! The check runs on text, not token ids, so every tokenisation of an action is allowed: the
-//! answer so far is run through a small automaton, and a token is allowed when the automaton
-//! survives its text. Tokens whose text is empty (special tokens) or not ASCII are never
+//! Two automata read the answer so far. Over token ids (the tokenizer's own,
+//! [`AnswerGrammar::with_tokens`]): each piece of text in its canonical ids, so one spelling, and a
+//! value slot (`extract total={money}`) as any tokens that spell a value of its shape. Over text
+//! (the fallback where a piece does not round-trip through the tokenizer): any token whose text
+//! keeps the automaton alive. Tokens whose text is empty (special tokens) or not ASCII are never
 //! allowed inside an answer.
-use crate::script::pattern::{self, Item, Pos, Sym, Symbol};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::script::pattern::{self, Item, Part, Pos, Sym, Symbol};
 
 /// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form, over
 /// text; and, once [`AnswerGrammar::with_tokens`] has tokenised its pieces, over token ids: each
 /// piece (an action name, ` || `, `</answer>`) as its own canonical tokens, so identical answers
 /// are identical ids and a choice between actions is a choice between their first tokens. An
-/// action with value slots (`extract total={money}`, [`pattern`]) is followed over text: its
-/// values are not a list of names to tokenise.
+/// action with value slots (`extract total={money}`, [`pattern`]) has its text in canonical ids
+/// too and its value as any tokens that spell a value of the shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AnswerGrammar {
     names: Vec<String>,
     text: Pieces<u8>,
-    tokens: Option<Pieces<u32>>,
+    tokens: Option<TokenPieces>,
     /// Most actions in one answer.
     max_actions: usize,
     /// The generation starts inside `<answer>` (no-think mode); otherwise the answer starts
@@ -132,6 +137,175 @@ impl<T: Symbol> Pieces<T> {
     }
 }
 
+/// A piece of an action over token ids: the canonical ids of text spelt as written, or a slot
+/// whose value is any run of tokens that spells a value of its shape, each token wholly inside
+/// the value (so the next piece starts on its own canonical ids).
+#[derive(Clone, Debug, PartialEq)]
+enum Seg {
+    Ids(Vec<u32>),
+    Slot(Vec<Item<u8>>),
+}
+
+/// Where the token automaton is (as [`At`], inside an action by segment).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum TokAt {
+    Before { done: usize },
+    /// `len` ids into action `a`'s segment `seg`.
+    Ids { done: usize, a: usize, seg: usize, len: usize },
+    /// At `at` of action `a`'s slot `seg`.
+    Slot { done: usize, a: usize, seg: usize, at: Pos },
+    After { done: usize },
+    Sep { done: usize, len: usize },
+    Close { len: usize },
+    End,
+}
+
+/// The answer over token ids: every literal piece in its canonical ids, values over their text.
+#[derive(Clone, Debug, Default)]
+struct TokenPieces {
+    actions: Vec<Vec<Seg>>,
+    sep: Vec<u32>,
+    close: Vec<u32>,
+    /// The tokens that may continue each slot position met so far (one vocabulary scan each).
+    slot_tokens: Arc<Mutex<HashMap<TokAt, Arc<[u32]>>>>,
+}
+
+impl PartialEq for TokenPieces {
+    fn eq(&self, o: &Self) -> bool {
+        (&self.actions, &self.sep, &self.close) == (&o.actions, &o.sep, &o.close)
+    }
+}
+
+impl TokenPieces {
+    /// The states `ids` lead to from the start of an answer (empty: off the grammar).
+    fn run(&self, max: usize, ids: &[u32], texts: &[String]) -> Vec<TokAt> {
+        let mut states = Vec::new();
+        self.expand(TokAt::Before { done: 0 }, &mut states);
+        for &id in ids {
+            states = self.step(max, &states, id, texts);
+        }
+        states
+    }
+
+    /// The state at the start of segment `seg` of action `a`.
+    fn start(&self, done: usize, a: usize, seg: usize) -> TokAt {
+        match self.actions[a].get(seg) {
+            None => TokAt::After { done: done + 1 },
+            Some(Seg::Ids(_)) => TokAt::Ids { done, a, seg, len: 0 },
+            Some(Seg::Slot(_)) => TokAt::Slot { done, a, seg, at: Pos { item: 0, count: 0 } },
+        }
+    }
+
+    /// `s` and the states reachable from it without reading a token: every action's start, and
+    /// the next segment where a slot's value may end here.
+    fn expand(&self, s: TokAt, out: &mut Vec<TokAt>) {
+        match s {
+            TokAt::Before { done } => (0..self.actions.len()).for_each(|a| self.expand(self.start(done, a, 0), out)),
+            TokAt::Slot { done, a, seg, at } => {
+                let Seg::Slot(items) = &self.actions[a][seg] else { unreachable!("a slot state is in a slot") };
+                let mut m = Vec::new();
+                let may_end = pattern::moves(items, at, &mut m);
+                if !m.is_empty() && !out.contains(&s) {
+                    out.push(s);
+                }
+                if may_end {
+                    self.expand(self.start(done, a, seg + 1), out);
+                }
+            }
+            s if !out.contains(&s) => out.push(s),
+            _ => {}
+        }
+    }
+
+    fn step(&self, max: usize, states: &[TokAt], id: u32, texts: &[String]) -> Vec<TokAt> {
+        let mut next = Vec::new();
+        for &s in states {
+            match s {
+                TokAt::Ids { done, a, seg, len } => {
+                    let Seg::Ids(ids) = &self.actions[a][seg] else { unreachable!("an ids state is in ids") };
+                    if ids[len] == id {
+                        let to = if len + 1 == ids.len() { self.start(done, a, seg + 1) } else { TokAt::Ids { done, a, seg, len: len + 1 } };
+                        self.expand(to, &mut next);
+                    }
+                }
+                TokAt::Slot { done, a, seg, at } => {
+                    let Seg::Slot(items) = &self.actions[a][seg] else { unreachable!("a slot state is in a slot") };
+                    let text = texts.get(id as usize).map_or(&[][..], |t| t.as_bytes());
+                    if text.is_empty() {
+                        continue;
+                    }
+                    for end in pattern::walk(items, at, text) {
+                        let to = match end {
+                            Some(at) => TokAt::Slot { done, a, seg, at },
+                            None => self.start(done, a, seg + 1),
+                        };
+                        self.expand(to, &mut next);
+                    }
+                }
+                _ => {
+                    if let Some(to) = self.literal_moves(max, s).into_iter().find(|m| m.0 == id).map(|m| m.1) {
+                        self.expand(to, &mut next);
+                    }
+                }
+            }
+        }
+        next
+    }
+
+    /// The moves of a state outside the actions: separator and closing tag, id by id.
+    fn literal_moves(&self, max: usize, s: TokAt) -> Vec<(u32, TokAt)> {
+        let sep = |done, len| if len == self.sep.len() { TokAt::Before { done } } else { TokAt::Sep { done, len } };
+        let close = |len| if len == self.close.len() { TokAt::End } else { TokAt::Close { len } };
+        match s {
+            TokAt::After { done } => {
+                let mut m = vec![(self.close[0], close(1))];
+                if done < max {
+                    m.push((self.sep[0], sep(done, 1)));
+                }
+                m
+            }
+            TokAt::Sep { done, len } => vec![(self.sep[len], sep(done, len + 1))],
+            TokAt::Close { len } => vec![(self.close[len], close(len + 1))],
+            _ => vec![],
+        }
+    }
+
+    /// The ids that may come next.
+    fn next(&self, max: usize, states: &[TokAt], texts: &[String]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for &s in states {
+            match s {
+                TokAt::Ids { a, seg, len, .. } => {
+                    let Seg::Ids(ids) = &self.actions[a][seg] else { unreachable!("an ids state is in ids") };
+                    out.push(ids[len]);
+                }
+                TokAt::Slot { a, seg, at, .. } => out.extend_from_slice(&self.slot_tokens(s, a, seg, at, texts)),
+                _ => out.extend(self.literal_moves(max, s).into_iter().map(|m| m.0)),
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The tokens whose whole text continues slot `seg` of action `a` from `at`.
+    fn slot_tokens(&self, key: TokAt, a: usize, seg: usize, at: Pos, texts: &[String]) -> Arc<[u32]> {
+        let mut cache = self.slot_tokens.lock().unwrap_or_else(|e| e.into_inner());
+        cache
+            .entry(key)
+            .or_insert_with(|| {
+                let Seg::Slot(items) = &self.actions[a][seg] else { unreachable!("a slot state is in a slot") };
+                (0..texts.len() as u32)
+                    .filter(|&id| {
+                        let t = texts[id as usize].as_bytes();
+                        !t.is_empty() && !pattern::walk(items, at, t).is_empty()
+                    })
+                    .collect()
+            })
+            .clone()
+    }
+}
+
 impl AnswerGrammar {
     /// `None` when there is nothing to constrain to (a free-text env). An action that is not a
     /// well-formed pattern is taken as a plain name (`check` reports it).
@@ -148,30 +322,32 @@ impl AnswerGrammar {
         })
     }
 
-    /// The grammar over token ids, each piece tokenised by `encode` on its own. Kept over text
-    /// where an action has a value slot, or a piece does not tokenise to ids that decode back to
-    /// it (`decode`), or is empty.
+    /// The grammar over token ids, each piece of text tokenised by `encode` on its own (an
+    /// action's text around its slots, ` || `, `</answer>`); a slot's value stays any tokens
+    /// that spell it. Kept over text where a piece does not tokenise to ids that decode back
+    /// to it (`decode`).
     pub fn with_tokens(
         mut self,
         encode: impl Fn(&str) -> Option<Vec<u32>>,
         decode: impl Fn(&[u32]) -> Option<String>,
     ) -> Self {
-        let piece = |text: &[u8]| -> Option<Vec<u32>> {
-            let text = std::str::from_utf8(text).ok()?;
+        let piece = |text: &str| -> Option<Vec<u32>> {
             let ids = encode(text).filter(|ids| !ids.is_empty())?;
             (decode(&ids)? == text).then_some(ids)
         };
-        let literal = |items: &Vec<Item<u8>>| -> Option<Vec<u8>> {
-            items.iter().map(|it| if let (Sym::Is(b), 1, 1) = (it.sym, it.min, it.max) { Some(b) } else { None }).collect()
+        let segments = |name: &String| -> Option<Vec<Seg>> {
+            let parts = pattern::parts(name).unwrap_or_else(|_| vec![Part::Lit(name.clone())]);
+            parts
+                .into_iter()
+                .map(|p| match p {
+                    Part::Lit(t) => piece(&t).map(Seg::Ids),
+                    Part::Slot(items) => Some(Seg::Slot(items)),
+                })
+                .collect()
         };
-        let actions: Option<Vec<Vec<Item<u32>>>> = self
-            .text
-            .actions
-            .iter()
-            .map(|a| Some(piece(&literal(a)?)?.into_iter().map(Item::once).collect()))
-            .collect();
-        self.tokens = match (actions, piece(&self.text.sep), piece(&self.text.close)) {
-            (Some(actions), Some(sep), Some(close)) => Some(Pieces { actions, sep, close }),
+        let actions: Option<Vec<Vec<Seg>>> = self.names.iter().map(segments).collect();
+        self.tokens = match (actions, piece(SEP), piece(CLOSE)) {
+            (Some(actions), Some(sep), Some(close)) => Some(TokenPieces { actions, sep, close, ..Default::default() }),
             _ => None,
         };
         self
@@ -206,8 +382,7 @@ impl AnswerGrammar {
         let answer = self.answer_part(reply)?;
         let mut out = match (&self.tokens, answer_ids(reply.len() - answer.len(), ids, token_texts)) {
             (Some(tokens), Some(ids)) => {
-                let next = tokens.next(self.max_actions, &tokens.run(self.max_actions, ids));
-                next.into_iter().filter_map(|x| if let Sym::Is(id) = x { Some(id) } else { None }).collect()
+                tokens.next(self.max_actions, &tokens.run(self.max_actions, ids, token_texts), token_texts)
             }
             _ => self.text_tokens(answer, token_texts),
         };
@@ -330,8 +505,8 @@ mod tests {
         assert_eq!(g.next_tokens("Up</answer>", &[1, 2, 5], &t), None, "complete: free");
     }
 
-    /// A value slot is followed over text whatever `with_tokens` was given: any tokenisation of
-    /// a value of the slot's shape, and the closing tag only once the shape is complete.
+    /// Over text a value slot admits any tokenisation of a value of its shape, and the closing
+    /// tag only once the shape is complete.
     #[test]
     fn a_value_slot_admits_its_shape_and_closes_only_when_complete() {
         let t: Vec<String> = ["", "pay ", "pay", " ", "12", "3", ".", ".5", "0", "</answer>", "x", "1.", "approve"]
@@ -352,6 +527,33 @@ mod tests {
         }
         assert!(!g.allows("pay 1", "x") && g.allows("pay 1", ".00</answer>"));
         assert_eq!(g.parts().0, ["pay {money}", "approve"]);
+    }
+
+    /// Over token ids a pattern's text is its canonical ids and its value any tokens wholly
+    /// inside the value: no token may carry a value into the next piece.
+    #[test]
+    fn over_tokens_a_slot_takes_value_tokens_between_canonical_pieces() {
+        let t: Vec<String> =
+            ["", "pay ", "pay", " ", "12", "3", ".", ".5", "0", "</answer>", "x", "1.", "approve", " ||", "50</"]
+                .map(String::from)
+                .to_vec();
+        let table: Vec<(&str, Vec<u32>)> =
+            vec![("pay ", vec![1]), ("approve", vec![12]), (" || ", vec![13, 3]), ("</answer>", vec![9])];
+        let encode = |s: &str| table.iter().find(|(k, _)| *k == s).map(|(_, v)| v.clone());
+        let decode = |ids: &[u32]| Some(ids.iter().map(|&i| t[i as usize].as_str()).collect::<String>());
+        let g = AnswerGrammar::new(&["pay {money}".into(), "approve".into()], 2, true).unwrap().with_tokens(encode, decode);
+        for (ids, want) in [
+            (vec![], vec![1, 12]),
+            (vec![1], vec![4, 5, 8, 11]),
+            (vec![1, 4], vec![4, 5, 6, 7, 8, 11]),
+            (vec![1, 4, 7], vec![5, 8]),
+            (vec![1, 4, 7, 8], vec![9, 13]),
+            (vec![1, 4, 7, 8, 13, 3], vec![1, 12]),
+        ] {
+            let text: String = ids.iter().map(|&i| t[i as usize].as_str()).collect();
+            assert_eq!(g.next_tokens(&text, &ids, &t), Some(want), "after {text:?}");
+        }
+        assert_eq!(g.next_tokens("pay 12.50</answer>", &[1, 4, 7, 8, 9], &t), None, "complete: free");
     }
 
     /// With its pieces tokenised, an answer is spelt in their canonical ids only: `U` then `p`

@@ -61,8 +61,7 @@ impl<T> Item<T> {
     }
 }
 
-/// What a symbol of an alphabet is in a class: bytes are, token ids never (a pattern with a slot
-/// is followed over text).
+/// A symbol that may belong to a class (bytes).
 pub trait Symbol: Copy + PartialEq {
     fn in_class(self, c: Class) -> bool;
 }
@@ -70,12 +69,6 @@ pub trait Symbol: Copy + PartialEq {
 impl Symbol for u8 {
     fn in_class(self, c: Class) -> bool {
         c.contains(self)
-    }
-}
-
-impl Symbol for u32 {
-    fn in_class(self, _: Class) -> bool {
-        false
     }
 }
 
@@ -107,9 +100,16 @@ pub fn has_slot(action: &str) -> bool {
     action.contains('{')
 }
 
-/// An action's items over bytes, or what is wrong with it: an unknown shape, a brace left open,
-/// a `}` with no `{`, or text the answer grammar could never hold (empty, `||`, `<`, `>`).
-pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
+/// A piece of an action: text spelt as written, or a slot's value shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    Lit(String),
+    Slot(Vec<Item<u8>>),
+}
+
+/// An action's parts, or what is wrong with it: an unknown shape, a brace left open, a `}` with
+/// no `{`, or text the answer grammar could never hold (empty, `||`, `<`, `>`).
+pub fn parts(action: &str) -> Result<Vec<Part>, String> {
     if action.trim().is_empty() {
         return Err("an empty action can never be answered".into());
     }
@@ -118,10 +118,12 @@ pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
             "action `{action}` holds `||`, `<` or `>`, which end an answer: it can never be answered"
         ));
     }
-    let mut items = Vec::new();
+    let mut out = Vec::new();
     let mut rest = action;
     while let Some(open) = rest.find(['{', '}']) {
-        items.extend(rest[..open].bytes().map(Item::once));
+        if open > 0 {
+            out.push(Part::Lit(rest[..open].to_string()));
+        }
         if rest.as_bytes()[open] == b'}' {
             return Err(format!("action `{action}`: a `}}` with no `{{` before it"));
         }
@@ -129,15 +131,28 @@ pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
             return Err(format!("action `{action}`: the slot `{}` is not closed with `}}`", &rest[open..]));
         };
         let name = &rest[open + 1..open + len];
-        let Some(its) = shape(name) else {
+        let Some(items) = shape(name) else {
             let known: Vec<String> = SHAPES.iter().map(|(n, _)| format!("{{{n}}}")).collect();
             return Err(format!("action `{action}`: unknown value shape `{{{name}}}`; known: {}", known.join(", ")));
         };
-        items.extend(its);
+        out.push(Part::Slot(items));
         rest = &rest[open + len + 1..];
     }
-    items.extend(rest.bytes().map(Item::once));
-    Ok(items)
+    if !rest.is_empty() {
+        out.push(Part::Lit(rest.to_string()));
+    }
+    Ok(out)
+}
+
+/// An action's items over bytes (its parts run together), or what is wrong with it.
+pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
+    Ok(parts(action)?
+        .into_iter()
+        .flat_map(|p| match p {
+            Part::Lit(t) => t.bytes().map(Item::once).collect(),
+            Part::Slot(items) => items,
+        })
+        .collect())
 }
 
 /// The items of `action`, a plain name where it does not parse (`check` reports it).
@@ -146,7 +161,7 @@ pub fn items(action: &str) -> Vec<Item<u8>> {
 }
 
 /// Where a walk through one pattern stands: at item `item`, `count` symbols into it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Pos {
     pub item: usize,
     pub count: u8,
@@ -173,17 +188,16 @@ fn normal<T>(items: &[Item<T>], at: Pos) -> Option<Pos> {
     }
 }
 
-/// Whether `text` is an answer to `action` (its literal bytes matched case-insensitively, as
-/// plain names are).
-pub fn matches(action: &str, text: &str) -> bool {
-    let items: Vec<Item<u8>> = items(&action.to_ascii_lowercase());
-    let mut states = vec![Some(Pos { item: 0, count: 0 })];
-    for b in text.to_ascii_lowercase().bytes() {
+/// Where `bytes` lead from `at` in `items`: each place they may end (`None`: past the last
+/// item); empty where they leave the pattern.
+pub fn walk(items: &[Item<u8>], at: Pos, bytes: &[u8]) -> Vec<Option<Pos>> {
+    let mut states = vec![Some(at)];
+    let mut m = Vec::new();
+    for &b in bytes {
         let mut next = Vec::new();
-        let mut m = Vec::new();
         for s in states.iter().flatten() {
             m.clear();
-            moves(&items, *s, &mut m);
+            moves(items, *s, &mut m);
             for &(sym, to) in &m {
                 if sym.accepts(b) && !next.contains(&to) {
                     next.push(to);
@@ -192,7 +206,15 @@ pub fn matches(action: &str, text: &str) -> bool {
         }
         states = next;
     }
-    states.iter().any(|s| match s {
+    states
+}
+
+/// Whether `text` is an answer to `action` (its literal bytes matched case-insensitively, as
+/// plain names are).
+pub fn matches(action: &str, text: &str) -> bool {
+    let items: Vec<Item<u8>> = items(&action.to_ascii_lowercase());
+    let ends = walk(&items, Pos { item: 0, count: 0 }, text.to_ascii_lowercase().as_bytes());
+    ends.iter().any(|s| match s {
         None => true,
         Some(p) => moves(&items, *p, &mut Vec::new()),
     })
