@@ -614,7 +614,7 @@ fn a_forged_checkpoint_state_cannot_truncate_the_run() {
 fn the_shipped_scripts_still_load() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let host: Arc<Host> = Host::new(&root, Limits::default());
-    for x in ["bandit", "sokoban", "frozenlake", "math", "invoice", "bandit_tiny"] {
+    for x in ["bandit", "sokoban", "frozenlake", "math", "invoice", "expense", "bandit_tiny"] {
         let exp = Experiment::load(&host, Path::new(&format!("scripts/{x}.rhai"))).unwrap();
         exp.scripts(&host).unwrap();
     }

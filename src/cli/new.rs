@@ -74,7 +74,9 @@ fn step(state, action) {
     #{ reward: if arrived { 1.0 } else { -0.1 }, done: arrived, success: arrived, effective: state.player != before }
 }
 
-// Optional: the actions worth offering now (defaults to describe's `actions`).
+// Optional: the actions legal now (defaults to describe's `actions`); constrained answers name
+// only these. An action may take a value: "pay {money}", "goto {digits}" (README, "Actions
+// with arguments"); list such patterns in describe's `actions` too.
 fn valid_actions(state) {
     ["Left", "Right"]
 }
@@ -92,9 +94,13 @@ fn experiment() {
         params: #{ length: 7 },
         // A held-out variant to validate on (or () for none).
         val_params: #{ length: 9 },
+        // The shipped Bandit experiment's settings (docs/training.md says why): no-think answers
+        // constrained to the state's legal actions, GRPO without the std division, no critic.
         settings: #{
-            rollout: #{ env_groups: 4, group_size: 8, response_length: 128 },
-            train: #{ steps: 20 },
+            rollout: #{ env_groups: 4, group_size: 8, response_length: 32, think: false, constrain_actions: true },
+            starpo: #{ advantage: "grpo", reward_norm: "identity", norm_adv_by_std_in_grpo: false },
+            optim: #{ lr: 1e-5 },
+            train: #{ steps: 20, val_every: 5, val_groups: 16 },
         },
     }
 }

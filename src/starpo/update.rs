@@ -370,15 +370,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
 
     // 5. Epochs × mini-batches: critic step, then actor step.
     let mask_f: Vec<Vec<f32>> = masks.iter().map(|m| m.iter().map(|&x| x as u8 as f32).collect()).collect();
-    // The constrained choices (trained positions the grammar gave more than one token): where
-    // starpo.answer_entropy_coef keeps the policy from settling on one answer for good.
-    let choice_f: Vec<Vec<f32>> = items
-        .iter()
-        .map(|it| {
-            let p = it.packed;
-            (0..p.mask.len()).map(|t| (p.mask[t] && p.allowed.get(t).is_some_and(Option::is_some)) as u8 as f32).collect()
-        })
-        .collect();
+    let choice_f: Vec<Vec<f32>> = items.iter().map(|it| choice_mask(it.packed)).collect();
     let (mut sums, mut count) = (Sums::default(), 0usize);
     for epoch in 0..so.epochs {
         let mut order = all.clone();
@@ -506,9 +498,26 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     Ok(stats)
 }
 
+/// 1 on a trajectory's constrained choices (trained positions where the grammar allowed more
+/// than one token), 0 elsewhere, [T]: where starpo.answer_entropy_coef keeps the policy from
+/// settling on one answer for good.
+fn choice_mask(p: &Packed) -> Vec<f32> {
+    (0..p.mask.len()).map(|t| (p.mask[t] && p.allowed.get(t).is_some_and(Option::is_some)) as u8 as f32).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn choices_are_the_trained_positions_with_a_choice() {
+        let mut p = Packed { ids: vec![1, 2, 3, 4, 5], mask: vec![false, true, true, false, true], ..Packed::default() };
+        assert_eq!(choice_mask(&p), [0.0; 5], "a free reply has no constrained choice");
+        let two: crate::policy::Allowed = Some(vec![2, 7].into());
+        p.allowed = vec![two.clone(), two.clone(), None, two.clone(), None];
+        // Position 0 is allowed but not trained (a prompt token), 3 likewise (left the loss).
+        assert_eq!(choice_mask(&p), [0.0, 1.0, 0.0, 0.0, 0.0]);
+    }
 
     #[test]
     fn tis_weights_are_capped_ratios_on_known_scored_tokens_only() {
