@@ -93,8 +93,8 @@ metric_keys! {
     TisRatioMax = "update/tis_ratio_max",
     /// k3 estimate of KL(π_engine ‖ π_old) over those tokens.
     KlRollout = "update/kl_rollout",
-    /// Steps between the weights that played the batch and those the update starts from (0
-    /// when synchronous; 1 under rollout.max_policy_lag = 1).
+    /// Updates between the weights that played the batch and those the update starts from (0
+    /// when synchronous; 1 under rollout.max_policy_lag = 1 after a step that updated).
     PolicyLag = "rollout/policy_lag",
     /// Share of the scored tokens whose engine log-prob is known (re-tokenized replies are not).
     TisCoverage = "update/tis_coverage",

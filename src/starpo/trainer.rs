@@ -324,6 +324,8 @@ pub fn train(opts: Options) -> Result<Summary> {
     // update they feed; with rollout.max_policy_lag = 1, `ahead` holds the next step's episodes,
     // played during this step's update.
     let mut version = start_step;
+    // Updates made so far: the policy lag counts these, not steps (a skipped step changes nothing).
+    let mut updates = 0u64;
     let mut ahead: Option<Played> = None;
     for step in start_step + 1..=total {
         if opts.stop.load(Ordering::SeqCst) {
@@ -366,9 +368,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         let play = |k: u64, scripts: &mut ExperimentScripts, replaced: &mut Vec<Loaded>, rng: &mut Rng| {
             let t0 = Instant::now();
             let (trajs, greedy) = play_step(k, &policy, engine.as_ref(), scripts, replaced, &exp, &s, &run, &bar, rng)?;
-            anyhow::Ok(Played { trajs, greedy, seconds: t0.elapsed().as_secs_f64(), version })
+            anyhow::Ok(Played { trajs, greedy, seconds: t0.elapsed().as_secs_f64(), version, updates })
         };
-        let Played { trajs, greedy, seconds: rollout_s, version: sampled_by } = match ahead.take() {
+        let Played { trajs, greedy, seconds: rollout_s, version: sampled_by, updates: played_after } = match ahead.take() {
             Some(r) => r,
             None => play(step, &mut scripts, &mut replaced, &mut rng)?,
         };
@@ -474,7 +476,7 @@ pub fn train(opts: Options) -> Result<Summary> {
             actor_opt: &mut actor_opt,
             critic_opt: critic_opt.as_mut(),
         };
-        let lag = version - sampled_by;
+        let lag = updates - played_after;
         let stats = if s.rollout.max_policy_lag > 0 && step < total && !opts.stop.load(Ordering::SeqCst) {
             // The engines play the next step's episodes (on the weights they hold, one update
             // behind) while this update runs here; its clocks come back from its thread.
@@ -493,6 +495,7 @@ pub fn train(opts: Options) -> Result<Summary> {
         };
         if !skipped {
             version = step;
+            updates += 1;
         }
         if let (Some(e), false) = (engine.as_mut(), skipped) {
             sync_engine(e, &policy, &run, step).with_context(|| format!("step {step}: pushing the weights"))?;
@@ -745,7 +748,9 @@ struct Played {
     trajs: Vec<Trajectory>,
     greedy: Vec<f64>,
     seconds: f64,
+    /// The step whose weights played it, and the updates made before it was played.
     version: u64,
+    updates: u64,
 }
 
 /// Validation: fixed seeds at the validation temperature, on the training params and on the
