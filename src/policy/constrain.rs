@@ -149,14 +149,33 @@ enum Seg {
 /// Where the token automaton is (as [`At`], inside an action by segment).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum TokAt {
-    Before { done: usize },
+    Before {
+        done: usize,
+    },
     /// `len` ids into action `a`'s segment `seg`.
-    Ids { done: usize, a: usize, seg: usize, len: usize },
+    Ids {
+        done: usize,
+        a: usize,
+        seg: usize,
+        len: usize,
+    },
     /// At `at` of action `a`'s slot `seg`.
-    Slot { done: usize, a: usize, seg: usize, at: Pos },
-    After { done: usize },
-    Sep { done: usize, len: usize },
-    Close { len: usize },
+    Slot {
+        done: usize,
+        a: usize,
+        seg: usize,
+        at: Pos,
+    },
+    After {
+        done: usize,
+    },
+    Sep {
+        done: usize,
+        len: usize,
+    },
+    Close {
+        len: usize,
+    },
     End,
 }
 
@@ -224,7 +243,11 @@ impl TokenPieces {
                 TokAt::Ids { done, a, seg, len } => {
                     let Seg::Ids(ids) = &self.actions[a][seg] else { unreachable!("an ids state is in ids") };
                     if ids[len] == id {
-                        let to = if len + 1 == ids.len() { self.start(done, a, seg + 1) } else { TokAt::Ids { done, a, seg, len: len + 1 } };
+                        let to = if len + 1 == ids.len() {
+                            self.start(done, a, seg + 1)
+                        } else {
+                            TokAt::Ids { done, a, seg, len: len + 1 }
+                        };
                         self.expand(to, &mut next);
                     }
                 }
@@ -541,7 +564,8 @@ mod tests {
             vec![("pay ", vec![1]), ("approve", vec![12]), (" || ", vec![13, 3]), ("</answer>", vec![9])];
         let encode = |s: &str| table.iter().find(|(k, _)| *k == s).map(|(_, v)| v.clone());
         let decode = |ids: &[u32]| Some(ids.iter().map(|&i| t[i as usize].as_str()).collect::<String>());
-        let g = AnswerGrammar::new(&["pay {money}".into(), "approve".into()], 2, true).unwrap().with_tokens(encode, decode);
+        let g =
+            AnswerGrammar::new(&["pay {money}".into(), "approve".into()], 2, true).unwrap().with_tokens(encode, decode);
         for (ids, want) in [
             (vec![], vec![1, 12]),
             (vec![1], vec![4, 5, 8, 11]),

@@ -114,9 +114,7 @@ pub fn parts(action: &str) -> Result<Vec<Part>, String> {
         return Err("an empty action can never be answered".into());
     }
     if action.contains("||") || action.contains('<') || action.contains('>') {
-        return Err(format!(
-            "action `{action}` holds `||`, `<` or `>`, which end an answer: it can never be answered"
-        ));
+        return Err(format!("action `{action}` holds `||`, `<` or `>`, which end an answer: it can never be answered"));
     }
     let mut out = Vec::new();
     let mut rest = action;
@@ -227,7 +225,11 @@ mod tests {
     #[test]
     fn values_of_each_shape_match_and_nothing_else() {
         let cases: &[(&str, &[&str], &[&str])] = &[
-            ("extract total={money}", &["extract total=120.00", "EXTRACT Total=7.05"], &["extract total=120", "extract total=1.5", "extract total=", "extract total=12.000"]),
+            (
+                "extract total={money}",
+                &["extract total=120.00", "EXTRACT Total=7.05"],
+                &["extract total=120", "extract total=1.5", "extract total=", "extract total=12.000"],
+            ),
             ("due {date}", &["due 2025-01-28"], &["due 2025-1-28", "due 2025-01-28x"]),
             ("po {id}", &["po PO-4412", "po 7"], &["po -12", "po ", "po PO 44"]),
             ("count {digits}", &["count 0", "count 123456789012"], &["count 1234567890123", "count x"]),

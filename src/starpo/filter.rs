@@ -128,10 +128,7 @@ pub fn group_stds(scores: &[f64], groups: &[Vec<usize>]) -> Vec<f64> {
 /// group whose members chose differently waits (a converged Bandit after a reward edit kept
 /// lucky groups of the old arm and never the rare pick of the new one).
 pub fn alike_groups(ids: &[&[u32]], groups: &[Vec<usize>]) -> Vec<bool> {
-    groups
-        .iter()
-        .map(|m| m.len() > 1 && !ids[m[0]].is_empty() && m.iter().all(|&i| ids[i] == ids[m[0]]))
-        .collect()
+    groups.iter().map(|m| m.len() > 1 && !ids[m[0]].is_empty() && m.iter().all(|&i| ids[i] == ids[m[0]])).collect()
 }
 
 /// The reward spread the agent's choices made: each group's std, 0 for a group of alike

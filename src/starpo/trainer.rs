@@ -370,10 +370,11 @@ pub fn train(opts: Options) -> Result<Summary> {
             let (trajs, greedy) = play_step(k, &policy, engine.as_ref(), scripts, replaced, &exp, &s, &run, &bar, rng)?;
             anyhow::Ok(Played { trajs, greedy, seconds: t0.elapsed().as_secs_f64(), version, updates })
         };
-        let Played { trajs, greedy, seconds: rollout_s, version: sampled_by, updates: played_after } = match ahead.take() {
-            Some(r) => r,
-            None => play(step, &mut scripts, &mut replaced, &mut rng)?,
-        };
+        let Played { trajs, greedy, seconds: rollout_s, version: sampled_by, updates: played_after } =
+            match ahead.take() {
+                Some(r) => r,
+                None => play(step, &mut scripts, &mut replaced, &mut rng)?,
+            };
 
         // 3. Score and normalise within each group (or the batch: starpo.reward_norm_grouping).
         let scores: Vec<f64> = trajs.iter().map(|t| t.score).collect();

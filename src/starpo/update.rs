@@ -511,7 +511,8 @@ mod tests {
 
     #[test]
     fn choices_are_the_trained_positions_with_a_choice() {
-        let mut p = Packed { ids: vec![1, 2, 3, 4, 5], mask: vec![false, true, true, false, true], ..Packed::default() };
+        let mut p =
+            Packed { ids: vec![1, 2, 3, 4, 5], mask: vec![false, true, true, false, true], ..Packed::default() };
         assert_eq!(choice_mask(&p), [0.0; 5], "a free reply has no constrained choice");
         let two: crate::policy::Allowed = Some(vec![2, 7].into());
         p.allowed = vec![two.clone(), two.clone(), None, two.clone(), None];
