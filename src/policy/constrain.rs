@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::script::pattern::{self, Item, Part, Pos, Sym, Symbol};
+use crate::script::pattern::{self, Item, Part, Pos, Sym};
 
 /// The language of one answer: `A (" || " A){0,k-1} "</answer>"`, the canonical form, over
 /// text; and, once [`AnswerGrammar::with_tokens`] has tokenised its pieces, over token ids: each
@@ -26,7 +26,7 @@ use crate::script::pattern::{self, Item, Part, Pos, Sym, Symbol};
 #[derive(Clone, Debug, PartialEq)]
 pub struct AnswerGrammar {
     names: Vec<String>,
-    text: Pieces<u8>,
+    text: Pieces,
     tokens: Option<TokenPieces>,
     /// Most actions in one answer.
     max_actions: usize,
@@ -39,12 +39,12 @@ const CLOSE: &str = "</answer>";
 const OPEN: &str = "<answer>";
 const SEP: &str = " || ";
 
-/// An answer's pieces, spelt in some alphabet (bytes or token ids).
+/// An answer's pieces over text.
 #[derive(Clone, Debug, PartialEq)]
-struct Pieces<T> {
-    actions: Vec<Vec<Item<T>>>,
-    sep: Vec<T>,
-    close: Vec<T>,
+struct Pieces {
+    actions: Vec<Vec<Item>>,
+    sep: Vec<u8>,
+    close: Vec<u8>,
 }
 
 /// Where the automaton is; `done` counts the actions completed so far.
@@ -64,15 +64,15 @@ enum At {
     End,
 }
 
-impl<T: Symbol> Pieces<T> {
+impl Pieces {
     /// The states after `text`, from the start of an answer (empty: `text` is not a prefix).
-    fn run(&self, max: usize, text: &[T]) -> Vec<At> {
+    fn run(&self, max: usize, text: &[u8]) -> Vec<At> {
         text.iter().fold(vec![At::Before { done: 0 }], |states, &c| self.step(max, &states, c))
     }
 
     /// Each state's successors: the symbol that may come next and where it leads.
-    fn moves(&self, max: usize, s: At) -> Vec<(Sym<T>, At)> {
-        let is = |x: T| Sym::Is(x);
+    fn moves(&self, max: usize, s: At) -> Vec<(Sym, At)> {
+        let is = Sym::Is;
         match s {
             At::Before { done } => (0..self.actions.len())
                 .flat_map(|a| self.moves(max, At::In { done, a, at: Pos { item: 0, count: 0 } }))
@@ -101,7 +101,7 @@ impl<T: Symbol> Pieces<T> {
         }
     }
 
-    fn step(&self, max: usize, states: &[At], c: T) -> Vec<At> {
+    fn step(&self, max: usize, states: &[At], c: u8) -> Vec<At> {
         let mut next = Vec::new();
         for (_, to) in states.iter().flat_map(|&s| self.moves(max, s)).filter(|(x, _)| x.accepts(c)) {
             if !next.contains(&to) {
@@ -112,7 +112,7 @@ impl<T: Symbol> Pieces<T> {
     }
 
     /// The symbols that may come next.
-    fn next(&self, max: usize, states: &[At]) -> Vec<Sym<T>> {
+    fn next(&self, max: usize, states: &[At]) -> Vec<Sym> {
         let mut out = Vec::new();
         for (x, _) in states.iter().flat_map(|&s| self.moves(max, s)) {
             if !out.contains(&x) {
@@ -143,7 +143,7 @@ impl<T: Symbol> Pieces<T> {
 #[derive(Clone, Debug, PartialEq)]
 enum Seg {
     Ids(Vec<u32>),
-    Slot(Vec<Item<u8>>),
+    Slot(Vec<Item>),
 }
 
 /// Where the token automaton is (as [`At`], inside an action by segment).

@@ -40,48 +40,37 @@ impl Class {
     }
 }
 
-/// One position of a pattern: the symbol itself (`Is`) or any member of a class.
+/// One position of a pattern: the byte itself (`Is`) or any member of a class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Sym<T> {
-    Is(T),
+pub enum Sym {
+    Is(u8),
     Class(Class),
 }
 
 /// A symbol repeated `min..=max` times (a literal byte: once).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Item<T> {
-    pub sym: Sym<T>,
+pub struct Item {
+    pub sym: Sym,
     pub min: u8,
     pub max: u8,
 }
 
-impl<T> Item<T> {
-    pub fn once(x: T) -> Self {
-        Item { sym: Sym::Is(x), min: 1, max: 1 }
+impl Item {
+    pub fn once(b: u8) -> Self {
+        Item { sym: Sym::Is(b), min: 1, max: 1 }
     }
 }
 
-/// A symbol that may belong to a class (bytes).
-pub trait Symbol: Copy + PartialEq {
-    fn in_class(self, c: Class) -> bool;
-}
-
-impl Symbol for u8 {
-    fn in_class(self, c: Class) -> bool {
-        c.contains(self)
-    }
-}
-
-impl<T: Symbol> Sym<T> {
-    pub fn accepts(self, x: T) -> bool {
+impl Sym {
+    pub fn accepts(self, b: u8) -> bool {
         match self {
-            Sym::Is(y) => x == y,
-            Sym::Class(c) => x.in_class(c),
+            Sym::Is(x) => b == x,
+            Sym::Class(c) => c.contains(b),
         }
     }
 }
 
-fn shape(name: &str) -> Option<Vec<Item<u8>>> {
+fn shape(name: &str) -> Option<Vec<Item>> {
     let rep = |c, min, max| Item { sym: Sym::Class(c), min, max };
     let dash = Item::once(b'-');
     Some(match name {
@@ -104,7 +93,7 @@ pub fn has_slot(action: &str) -> bool {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Part {
     Lit(String),
-    Slot(Vec<Item<u8>>),
+    Slot(Vec<Item>),
 }
 
 /// An action's parts, or what is wrong with it: an unknown shape, a brace left open, a `}` with
@@ -143,7 +132,7 @@ pub fn parts(action: &str) -> Result<Vec<Part>, String> {
 }
 
 /// An action's items over bytes (its parts run together), or what is wrong with it.
-pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
+pub fn parse(action: &str) -> Result<Vec<Item>, String> {
     Ok(parts(action)?
         .into_iter()
         .flat_map(|p| match p {
@@ -154,7 +143,7 @@ pub fn parse(action: &str) -> Result<Vec<Item<u8>>, String> {
 }
 
 /// The items of `action`, a plain name where it does not parse (`check` reports it).
-pub fn items(action: &str) -> Vec<Item<u8>> {
+pub fn items(action: &str) -> Vec<Item> {
     parse(action).unwrap_or_else(|_| action.bytes().map(Item::once).collect())
 }
 
@@ -167,7 +156,7 @@ pub struct Pos {
 
 /// The moves from `at` in `items`: each symbol that may come next, with where it leads (`None`:
 /// the pattern is complete after it), plus `done` when the pattern may end here.
-pub fn moves<T: Copy>(items: &[Item<T>], at: Pos, out: &mut Vec<(Sym<T>, Option<Pos>)>) -> bool {
+pub fn moves(items: &[Item], at: Pos, out: &mut Vec<(Sym, Option<Pos>)>) -> bool {
     let Some(it) = items.get(at.item) else { return true };
     if at.count < it.max {
         let next = Pos { item: at.item, count: at.count + 1 };
@@ -178,7 +167,7 @@ pub fn moves<T: Copy>(items: &[Item<T>], at: Pos, out: &mut Vec<(Sym<T>, Option<
 }
 
 /// `at`, or `None` where it is past the last item.
-fn normal<T>(items: &[Item<T>], at: Pos) -> Option<Pos> {
+fn normal(items: &[Item], at: Pos) -> Option<Pos> {
     match items.get(at.item) {
         Some(it) if at.count == it.max => normal(items, Pos { item: at.item + 1, count: 0 }),
         Some(_) => Some(at),
@@ -188,7 +177,7 @@ fn normal<T>(items: &[Item<T>], at: Pos) -> Option<Pos> {
 
 /// Where `bytes` lead from `at` in `items`: each place they may end (`None`: past the last
 /// item); empty where they leave the pattern.
-pub fn walk(items: &[Item<u8>], at: Pos, bytes: &[u8]) -> Vec<Option<Pos>> {
+pub fn walk(items: &[Item], at: Pos, bytes: &[u8]) -> Vec<Option<Pos>> {
     let mut states = vec![Some(at)];
     let mut m = Vec::new();
     for &b in bytes {
@@ -210,7 +199,7 @@ pub fn walk(items: &[Item<u8>], at: Pos, bytes: &[u8]) -> Vec<Option<Pos>> {
 /// Whether `text` is an answer to `action` (its literal bytes matched case-insensitively, as
 /// plain names are).
 pub fn matches(action: &str, text: &str) -> bool {
-    let items: Vec<Item<u8>> = items(&action.to_ascii_lowercase());
+    let items = items(&action.to_ascii_lowercase());
     let ends = walk(&items, Pos { item: 0, count: 0 }, text.to_ascii_lowercase().as_bytes());
     ends.iter().any(|s| match s {
         None => true,
