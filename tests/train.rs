@@ -650,3 +650,80 @@ fn turn_level_grpo_trains_a_multi_turn_env() {
     let settings: Value = serde_json::from_str(&fs::read_to_string(run.join("settings.json")).unwrap()).unwrap();
     assert_eq!(settings["settings"]["starpo"]["advantage"], "turn_grpo");
 }
+
+/// What a run computes, without its clocks: every metrics line and validation event with the
+/// keys that measure time or memory taken out.
+fn computed(run: &Path) -> Value {
+    let clock = |k: &str| k == "time" || k.starts_with("time/") || k == "perf/peak_rss_mb";
+    let strip = |v: &Value| {
+        Value::Object(
+            v.as_object().unwrap().iter().filter(|(k, _)| !clock(k)).map(|(k, v)| (k.clone(), v.clone())).collect(),
+        )
+    };
+    let metrics: Vec<Value> = jsonl(&run.join("metrics.jsonl")).iter().map(strip).collect();
+    let validations: Vec<Value> = jsonl(&run.join("events.jsonl"))
+        .iter()
+        .filter(|e| e["kind"] == "validation")
+        .map(|e| {
+            strip(e)
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| k.as_str() != "message")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .collect();
+    json!({"metrics": metrics, "validations": validations})
+}
+
+/// Numbers equal to 1e-9 of their size, everything else exactly.
+fn same(a: &Value, b: &Value, at: &str) -> Result<(), String> {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            ((x - y).abs() <= 1e-9 * x.abs().max(y.abs()).max(1.0)).then_some(()).ok_or(format!("{at}: {x} ≠ {y}"))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
+            if keys(x) != keys(y) {
+                return Err(format!("{at}: keys {:?} ≠ {:?}", keys(x), keys(y)));
+            }
+            x.iter().try_for_each(|(k, v)| same(v, &y[k], &format!("{at}.{k}")))
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            x.iter().zip(y).enumerate().try_for_each(|(i, (v, w))| same(v, w, &format!("{at}[{i}]")))
+        }
+        _ => (a == b).then_some(()).ok_or(format!("{at}: {a} ≠ {b}")),
+    }
+}
+
+/// The trainer's behaviour is pinned: the default Bandit job (and the PPO path with its critic)
+/// on the tiny model, same seed, gives the metric values recorded in tests/fixtures/golden/ before
+/// the trainer was last restructured. A change that means to alter what training computes
+/// re-records them: `RAGEN_BLESS=1 cargo test --test train pinned`.
+#[test]
+fn pinned_metrics_of_the_default_job_are_unchanged() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden");
+    for (name, extra) in [
+        ("bandit-grpo", &["--set", "train.val_every=2"][..]),
+        ("bandit-ppo", &["--algo", "ppo", "--set", "rollout.env_groups=2", "--set", "train.val_every=0"][..]),
+    ] {
+        let p = project();
+        let mut c = Command::new(BIN);
+        c.current_dir(p.path()).args(["train", "--quiet", "--model", "tiny-llama", "--env", "scripts/bandit.rhai"]);
+        c.args(["--steps", "3", "--run-dir", "runs/pin"]).args(extra);
+        run_ok(c);
+        let got = computed(&p.path().join("runs/pin"));
+        let file = root.join(format!("{name}.json"));
+        if std::env::var_os("RAGEN_BLESS").is_some() {
+            fs::create_dir_all(&root).unwrap();
+            fs::write(&file, serde_json::to_string_pretty(&got).unwrap() + "\n").unwrap();
+            continue;
+        }
+        let want: Value = serde_json::from_str(&fs::read_to_string(&file).unwrap()).unwrap();
+        if let Err(e) = same(&got, &want, name) {
+            panic!("{e}\n(if the change means to alter what training computes: RAGEN_BLESS=1 cargo test --test train pinned)");
+        }
+    }
+}
