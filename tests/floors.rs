@@ -155,12 +155,6 @@ fn the_reader_sees_plain_grouped_inline_and_macro_paths() {
     assert_eq!(imported_modules(text), ["script", "agent", "policy", "starpo", "view"]);
 }
 
-/// Circles between the files of one folder that are known and still to be broken (issue 27):
-/// lora's functions over the whole `Decoder` sit beside the adapter `model` holds, and `kernels`
-/// reaches `model::project`. The test fails on any other circle, and when one of these is gone
-/// (so the list only shrinks).
-const KNOWN_CIRCLES: &[&[&str]] = &[&["policy/kernels", "policy/lora", "policy/model"]];
-
 /// Each file's imports of its sibling files (`super::x`, `crate::<folder>::x`), test modules left
 /// out: `folder/file` → the siblings it names.
 fn sibling_imports(src: &Path) -> std::collections::BTreeMap<String, Vec<String>> {
@@ -237,11 +231,7 @@ fn no_file_imports_a_file_of_its_folder_that_imports_it_back() {
     let graph = sibling_imports(&src);
     assert!(graph.get("agent/engine").is_some_and(|d| d.contains(&"agent/settings".to_string())), "{graph:?}");
     let found = circles(&graph);
-    let known: Vec<Vec<String>> = KNOWN_CIRCLES.iter().map(|c| c.iter().map(|s| s.to_string()).collect()).collect();
-    let new: Vec<_> = found.iter().filter(|c| !known.contains(c)).collect();
-    assert!(new.is_empty(), "files of one folder that import each other (through the others listed): {new:?}");
-    let gone: Vec<_> = known.iter().filter(|c| !found.contains(c)).collect();
-    assert!(gone.is_empty(), "known circles no longer there: take them off KNOWN_CIRCLES: {gone:?}");
+    assert!(found.is_empty(), "files of one folder that import each other (through the others listed): {found:?}");
 }
 
 #[test]

@@ -15,9 +15,9 @@ use ragen_lab::rng::Rng;
 use ragen_lab::script::turn::{apply_turn, parse_turn};
 use ragen_lab::script::{EnvScript, Episode, Experiment, Host, Limits};
 use ragen_lab::starpo::optim::AdamW;
+use ragen_lab::starpo::resume::resolve_settings;
 use ragen_lab::starpo::settings::{Preset, Settings};
 use ragen_lab::starpo::sft::{fine_tune, nll, LrSchedule};
-use ragen_lab::starpo::trainer::resolve_settings;
 use serde_json::{Map, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ragen-lab");

@@ -685,7 +685,8 @@ fn same(a: &Value, b: &Value, at: &str) -> Result<(), String> {
             ((x - y).abs() <= 1e-9 * x.abs().max(y.abs()).max(1.0)).then_some(()).ok_or(format!("{at}: {x} ≠ {y}"))
         }
         (Value::Object(x), Value::Object(y)) => {
-            let keys = |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<Vec<_>>();
+            let keys =
+                |m: &serde_json::Map<String, Value>| m.keys().cloned().collect::<std::collections::BTreeSet<_>>();
             if keys(x) != keys(y) {
                 return Err(format!("{at}: keys {:?} ≠ {:?}", keys(x), keys(y)));
             }

@@ -10,13 +10,14 @@
 //! An engine that restarts loses what was pushed: after a dropped connection or a 404 for the
 //! synced adapter the last sync is pushed again and the request repeated, so no sample comes
 //! from stale weights. Retries are counted for the trainer to report.
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 
 use super::settings::Rollout;
-use crate::policy::{Finish, Generation, GenerationConfig};
+use crate::policy::{Finish, Generation, GenerationConfig, Policy};
 use crate::remote::client::Refused;
 use crate::remote::wire::{
     restore_stop, AnswerSpec, CompletionRequest, CompletionResponse, LoadLora, Prompt, Sampling, Stop, UpdateFromDisk,
@@ -85,6 +86,23 @@ impl HttpEngine {
             push(ep, &sync)?;
         }
         self.synced = Some(sync);
+        Ok(())
+    }
+
+    /// Pushes `policy`'s weights: its LoRA adapter, or the whole model, written to
+    /// `root/step-N` (the engines read it from there; the folder of the previous push goes).
+    pub fn sync_policy(&mut self, policy: &Policy, root: &Path, step: u64) -> Result<()> {
+        let dir = root.join(format!("step-{step:06}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        policy.save(&dir)?;
+        let path = dir.canonicalize()?.to_string_lossy().into_owned();
+        self.sync(match policy.model.lora {
+            Some(_) => WeightSync::Lora { path },
+            None => WeightSync::Disk { path },
+        })?;
+        for old in std::fs::read_dir(root)?.flatten().filter(|e| e.path() != dir) {
+            let _ = std::fs::remove_dir_all(old.path());
+        }
         Ok(())
     }
 

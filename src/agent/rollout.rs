@@ -183,7 +183,6 @@ impl Play {
     /// The reply to turn `turn` (opened by [`Turns::open`] or [`Turns::user_turn`]): parse it,
     /// step the env, shape the reward, put the re-serialised reply into the history and record
     /// the turn. `count_tokens` measures the think text.
-    #[allow(clippy::too_many_arguments)]
     pub fn take_reply(
         &mut self,
         turns: &Turns,
@@ -431,7 +430,6 @@ impl Turns {
     /// prompt template and pushes it onto `history`. `None` when the prompt leaves no room for a
     /// full response within `rollout.max_context_tokens` (RAGEN max_model_len): the message is
     /// taken back and the episode ends there, truncated.
-    #[allow(clippy::too_many_arguments)]
     pub fn open(
         &self,
         policy: &Policy,

@@ -8,8 +8,8 @@ use anyhow::{bail, Result};
 use crate::script::check::{check_turn, ScriptCheck};
 use crate::script::turn::TurnSettings;
 use crate::script::{parse_assignment, Experiment, Host, Limits};
+use crate::starpo::resume::resolve_settings;
 use crate::starpo::settings::{Preset, Settings};
-use crate::starpo::trainer::resolve_settings;
 
 /// Check a script: it compiles, defines the functions its role needs (env, prompt template,
 /// reward shaping or experiment: told apart by its functions), and runs under the sandbox

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 
 use crate::script::parse_assignment;
-use crate::starpo::rundir::RunDir;
+use crate::starpo::resume::RunRecord;
 use crate::starpo::settings::{Algo, Preset};
-use crate::starpo::trainer::{refuse_on_resume, train, Options};
+use crate::starpo::trainer::{train, Options};
 
 /// Train a policy on an experiment script with StarPO-S (default) or StarPO.
 ///
@@ -99,17 +99,13 @@ pub fn run(args: Args) -> Result<()> {
     let (experiment, model, run_dir, resume) = match &args.resume {
         Some(r) => {
             let dir = resolve_resume(r);
-            let saved = RunDir::read_settings(&dir)?;
-            let exp = match &args.env {
-                Some(e) => e.clone(),
-                None => PathBuf::from(
-                    saved["experiment"].as_str().context("settings.json has no experiment path; pass --env")?,
-                ),
-            };
+            let saved = RunRecord::read(&dir)?;
+            let exp = args.env.clone().unwrap_or_else(|| saved.experiment.clone());
             let params = !args.params.is_empty() || !args.val_params.is_empty();
-            refuse_on_resume(&saved, args.preset, args.algo, args.model.as_deref(), params)
+            saved
+                .refuse(args.preset, args.algo, args.model.as_deref(), params)
                 .with_context(|| format!("resuming {}", dir.display()))?;
-            let model = saved["model"].as_str().map(String::from).or(args.model.clone());
+            let model = Some(saved.model.clone());
             (exp, model, dir, true)
         }
         None => {

@@ -1,7 +1,7 @@
-//! LoRA: low-rank adapters on the decoder's projections, `y = x Wᵀ + (α/r) · drop(x) Aᵀ Bᵀ`, with
-//! `A` `[r, in]` drawn like PEFT's (uniform ±1/√in) and `B` `[out, r]` zero, so a fresh adapter
-//! leaves the model unchanged. While a decoder has adapters its own weights are frozen: they are
-//! read detached, so no gradient (and no weight-gradient matmul) is computed for them.
+//! LoRA over a whole decoder: attaching low-rank adapters to its projections (the adapter itself,
+//! `y = x Wᵀ + (α/r) · drop(x) Aᵀ Bᵀ`, is in `linear`), their weights by name, saving and loading
+//! them, merging them into the weights. While a decoder has adapters its own weights are frozen:
+//! they are read detached, so no gradient (and no weight-gradient matmul) is computed for them.
 //!
 //! On disk an adapter is a PEFT folder: `adapter_config.json` and `adapter_model.safetensors`
 //! with PEFT's tensor names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`),
@@ -12,95 +12,20 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use serde_json::{json, Value};
 
-use super::model::{project, Decoder, Linear, Mode, PROJECTIONS};
+use super::linear::Adapter;
+pub use super::linear::{targets, LoraConfig};
+use super::model::{Decoder, Linear};
 use crate::rng::Rng;
 
-/// The projections an adapter can sit on, by their HF module names (`q_proj`, …, `down_proj`).
-pub fn targets() -> Vec<&'static str> {
-    PROJECTIONS.iter().map(|p| p.rsplit('.').next().unwrap_or(p)).collect()
-}
-
-/// What adapters a decoder carries (the `lora.*` settings).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoraConfig {
-    pub rank: usize,
-    pub alpha: f64,
-    /// HF module names from `targets()`.
-    pub targets: Vec<String>,
-    pub dropout: f64,
-}
-
-impl LoraConfig {
-    /// `targets` as the setting writes it: `all-linear` or a comma-separated list of module names.
-    pub fn new(rank: usize, alpha: f64, targets: &str, dropout: f64) -> Result<Self> {
-        if rank == 0 {
-            bail!("lora.rank must be at least 1 (0 means full fine-tuning, no adapters)");
+impl Decoder {
+    /// The weights training updates with their names: the adapters' (PEFT names) under LoRA,
+    /// else every weight (HF names).
+    pub fn trainable_vars(&self) -> Vec<(String, Var)> {
+        match self.lora {
+            Some(_) => named_vars(self),
+            None => self.named_vars(),
         }
-        if !(0.0..1.0).contains(&dropout) {
-            bail!("lora.dropout must be in [0, 1), got {dropout}");
-        }
-        let known = self::targets();
-        let targets: Vec<String> = if targets.trim() == "all-linear" {
-            known.iter().map(|t| t.to_string()).collect()
-        } else {
-            targets.split(',').map(|t| t.trim().to_string()).filter(|t| !t.is_empty()).collect()
-        };
-        if let Some(bad) = targets.iter().find(|t| !known.contains(&t.as_str())) {
-            bail!("lora.targets: unknown module {bad:?}; known: all-linear or {}", known.join(","));
-        }
-        if targets.is_empty() {
-            bail!("lora.targets names no module");
-        }
-        Ok(Self { rank, alpha, targets, dropout })
     }
-
-    fn scale(&self) -> f64 {
-        self.alpha / self.rank as f64
-    }
-}
-
-/// One adapter: `scale · drop(x) Aᵀ Bᵀ`.
-#[derive(Clone)]
-pub struct Adapter {
-    /// `[r, in]`.
-    pub a: Var,
-    /// `[out, r]`.
-    pub b: Var,
-    pub scale: f64,
-    pub dropout: f32,
-    /// Mixed into a training pass's seed so every adapter drops its own inputs.
-    id: u64,
-}
-
-impl Adapter {
-    /// `dropout_seed` is `Some` in training passes (the same seed when a checkpointed layer is
-    /// recomputed, so the recomputation drops the same inputs).
-    /// # Shapes
-    /// x: [N, in] → [N, out]
-    pub fn forward(&self, x: &Tensor, mode: Mode, dropout_seed: Option<u64>) -> Result<Tensor> {
-        let x = match dropout_seed {
-            Some(seed) if self.dropout > 0.0 => {
-                dropout(x, self.dropout, seed ^ self.id.wrapping_mul(0x9E37_79B9_7F4A_7C15))?
-            }
-            _ => x.clone(),
-        };
-        let low = project(&x, &mode.weight(&self.a))?;
-        Ok((project(&low, &mode.weight(&self.b))? * self.scale)?)
-    }
-
-    /// `scale · B A`, `[out, in]`: what merging adds to the weight.
-    fn delta(&self) -> Result<Tensor> {
-        Ok((self.b.as_tensor().matmul(self.a.as_tensor())? * self.scale)?)
-    }
-}
-
-/// Inverted dropout with the project's seeded generator (candle's draws from an unseeded one,
-/// which would break byte-identical resumes).
-fn dropout(x: &Tensor, p: f32, seed: u64) -> Result<Tensor> {
-    let mut rng = Rng::new(seed);
-    let keep = 1.0 / (1.0 - p);
-    let mask: Vec<f32> = (0..x.elem_count()).map(|_| if (rng.next_f64() as f32) < p { 0.0 } else { keep }).collect();
-    Ok((x * Tensor::from_vec(mask, x.shape(), x.device())?)?)
 }
 
 /// The target projections with their module path (`model.layers.3.self_attn.q_proj`).

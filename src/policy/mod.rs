@@ -25,6 +25,7 @@ pub mod config;
 pub mod constrain;
 pub mod critic;
 pub mod kernels;
+pub mod linear;
 pub mod load;
 pub mod logprob;
 pub mod lora;

@@ -24,77 +24,11 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use std::sync::Arc;
 
 use super::config::Config;
-use super::kernels;
-use super::lora::{Adapter, LoraConfig};
+use super::kernels::{self, project};
+use super::linear::LoraConfig;
+pub use super::linear::{Linear, Mode, PROJECTIONS};
 use super::tree::TreeLinks;
 use crate::rng::Rng;
-
-/// Which ops the forward pass uses and whether it records a graph (see the module doc).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    Train,
-    Score,
-    Sample,
-}
-
-impl Mode {
-    /// A weight as this mode reads it: detached (no graph recorded through it) unless training.
-    /// Without this, every op of a no-grad pass would be recorded and keep its inputs alive
-    /// until the output is dropped: gigabytes of activations for a batched prefill.
-    pub(crate) fn weight(self, v: &Var) -> Tensor {
-        match self {
-            Mode::Train => v.as_tensor().clone(),
-            Mode::Score | Mode::Sample => v.as_tensor().detach(),
-        }
-    }
-}
-
-/// A projection `y = x Wᵀ (+ b)`, `W` as HF stores it: `[out, in]`, plus a LoRA adapter's term
-/// when it has one.
-#[derive(Clone)]
-pub struct Linear {
-    pub weight: Var,
-    pub bias: Option<Var>,
-    pub lora: Option<Adapter>,
-}
-
-impl Linear {
-    /// `base` is how the weight itself is read (frozen under LoRA), `mode` how the adapter is.
-    /// # Shapes
-    /// x: [N, in] → [N, out]
-    fn forward(&self, x: &Tensor, mode: Mode, base: Mode, dropout_seed: Option<u64>) -> Result<Tensor> {
-        let w = base.weight(&self.weight);
-        let frozen_in_training = mode == Mode::Train && base != Mode::Train;
-        let mut y = if frozen_in_training && x.device().is_cpu() && x.track_op() {
-            kernels::frozen_project(x, &w)?
-        } else {
-            project(x, &w)?
-        };
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(&base.weight(b))?;
-        }
-        if let Some(ad) = &self.lora {
-            y = (y + ad.forward(x, mode, dropout_seed)?)?;
-        }
-        Ok(y)
-    }
-}
-
-/// Rows up to which `project` multiplies as `(W xᵀ)ᵀ`.
-const FEW_ROWS: usize = 256;
-
-/// `x Wᵀ` for `W` stored `[out, in]`. gemm re-packs the transposed weight on every call, which
-/// for a few rows (decoding, short prefixes) costs more than the product: with W as the
-/// left-hand side it streams W as stored, 1.5–5× faster at 16–128 rows here (docs/models.md).
-/// # Shapes
-/// x: [N, in], w: [out, in] → [N, out]
-pub(crate) fn project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if x.dim(0)? <= FEW_ROWS {
-        Ok(w.matmul(&x.t()?)?.t()?)
-    } else {
-        Ok(x.matmul(&w.t()?)?)
-    }
-}
 
 #[derive(Clone)]
 pub struct Layer {
@@ -109,18 +43,6 @@ pub struct Layer {
     pub down_proj: Linear,
 }
 
-/// A layer's projections, module paths after `model.layers.{l}.` in HF order: the one list of
-/// their names (loading, saving, LoRA targets and the optimiser's names derive from it). The
-/// `Layer` fields in `Layer::projections` follow this order.
-pub const PROJECTIONS: [&str; 7] = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-];
 /// The layer's two norms, after `model.layers.{l}.`: before attention and before the MLP.
 const NORMS: [&str; 2] = ["input_layernorm.weight", "post_attention_layernorm.weight"];
 
@@ -653,15 +575,6 @@ impl Decoder {
 
     fn next_dropout_seed(&self) -> u64 {
         self.dropout_seed.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// The weights training updates with their names: the adapters' (PEFT names) under LoRA,
-    /// else every weight (HF names).
-    pub fn trainable_vars(&self) -> Vec<(String, Var)> {
-        match self.lora {
-            Some(_) => super::lora::named_vars(self),
-            None => self.named_vars(),
-        }
     }
 
     /// One transformer layer: pre-norm attention and SwiGLU MLP, each with its residual.

@@ -78,6 +78,13 @@ impl fmt::Display for ScriptError {
 }
 
 impl ScriptError {
+    /// Where the error is and what kind, as the fields of a run's event.
+    pub fn fields(&self) -> serde_json::Map<String, serde_json::Value> {
+        let kind = format!("{:?}", self.kind).to_lowercase();
+        let v = serde_json::json!({"path": self.path, "line": self.line, "col": self.col, "error": kind, "version": self.version});
+        v.as_object().cloned().unwrap_or_default()
+    }
+
     /// An error about the script as a whole (missing function, wrong shape, bad parameter).
     pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
         Self {

@@ -63,10 +63,12 @@ pub mod pattern;
 pub use env::{EnvInfo, EnvScript, Episode, StepOutcome};
 pub use params::parse_assignment;
 mod experiment;
+mod live;
 mod prompt;
 mod reward;
 
 pub use experiment::{Experiment, ExperimentScripts};
+pub use live::{LiveScripts, RolledBack, Swapped};
 pub use prompt::{PromptScript, TurnContext};
 pub use reward::{apply_and_shape, shape_all, RewardScript};
 pub mod validate;

@@ -26,9 +26,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 
-use super::progress::progress_bar;
+use super::report::progress_bar;
+use super::report::{solver_agreement, trajectory_line};
+use super::resume::resolve_settings;
 use super::rundir::{append_line, RunDir};
-use super::trainer::{resolve_settings, solver_agreement, trajectory_line};
 use super::{settings::Preset, Settings};
 use crate::agent::rollout::{Play, Reply, Turns, Versions};
 use crate::metrics::keys::Key;

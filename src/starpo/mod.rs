@@ -5,14 +5,18 @@
 //! Read `trainer.rs` top to bottom for the algorithm; the math lives in small pure modules.
 pub mod advantage;
 pub mod bench;
+pub mod credit;
 pub mod early_stop;
 pub mod eval;
 pub mod filter;
 pub mod loss;
+pub mod nets;
 pub mod normalize;
 pub mod optim;
+pub mod player;
 pub mod policy_bench;
-pub mod progress;
+pub mod report;
+pub mod resume;
 pub mod rundir;
 pub mod settings;
 pub mod sft;

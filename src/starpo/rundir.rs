@@ -126,6 +126,16 @@ impl RunDir {
         Ok(())
     }
 
+    /// Records the versions in use of every script the experiment plays with.
+    pub fn record_scripts(&mut self, step: u64, s: &ExperimentScripts) -> Result<()> {
+        self.record_script(step, "env", s.env.script())?;
+        self.record_script(step, "prompt", s.prompt.script())?;
+        for r in &s.rewards {
+            self.record_script(step, "reward", r.script())?;
+        }
+        Ok(())
+    }
+
     pub fn metrics(&self, line: &Map<String, Value>) -> Result<()> {
         append_line(&self.path.join("metrics.jsonl"), &Value::Object(line.clone()))
     }

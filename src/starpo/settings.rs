@@ -4,7 +4,7 @@
 //! doc, its default (in `Default`, nowhere else) and its serde name. The dotted key of a field is
 //! `section.field` (`starpo.clip_high`).
 //!
-//! Resolution order ([`crate::starpo::trainer::resolve_settings`]): preset (`starpo` or
+//! Resolution order ([`crate::starpo::resume::resolve_settings`]): preset (`starpo` or
 //! `starpo-s`, diffs from the defaults) → the experiment script's `settings` map → `--algo` →
 //! `--set key=value` flags → [`Settings::validate`]: the command line beats the script. Errors
 //! name their source and the nearest known key. `ragen-lab settings` prints

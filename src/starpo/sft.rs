@@ -27,10 +27,11 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::optim::AdamW;
-use super::progress::progress_bar;
+use super::report::progress_bar;
+use super::resume::resolve_settings;
 use super::rundir::write_atomic;
 use super::settings::{Optim, Preset, Settings};
-use super::trainer::{resolve_settings, DEFAULT_MODEL};
+use super::trainer::DEFAULT_MODEL;
 use super::update::{micro_batches, rows_tensor};
 use crate::agent::demo::{demonstrations, DemoStats};
 use crate::agent::pack::Packed;
