@@ -4,12 +4,16 @@
 //! One idea per module (see DESIGN.md):
 //! - [`script`]: the sandboxed Rhai host, env/prompt/reward bindings, live reload.
 //! - [`agent`]: turn parsing, per-episode chat history, the batched multi-turn rollout.
-//! - [`policy`]: the transformer (Llama, Qwen2), loading, tokenizer + chat template,
-//!   batched sampling, differentiable log-probs, value head.
-//! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the trainer loop.
-//! - [`metrics`]: the run log, Echo-Trap diagnostics, plots.
-//! - [`view`]: the static rollout viewer.
-//! - [`phase`]: per-thread clocks of a training step's phases.
+//! - [`policy`]: the transformer (Llama, Qwen2) with LoRA, loading, tokenizer + chat template,
+//!   the constrained-answer grammar, batched sampling, differentiable log-probs, value head.
+//! - [`remote`]: the OpenAI-compatible wire format and its HTTP client.
+//! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the update, the trainer
+//!   loop; eval and the supervised warm start.
+//! - [`metrics`]: metric keys, the run reader, Echo-Trap diagnostics, plots, TensorBoard.
+//! - [`view`]: the rollout viewer (a self-contained page, or served).
+//! - [`serve`]: `ragen-lab serve`, an OpenAI-compatible server on the policy.
+//! - [`cli`]: one thin file per subcommand.
+//! - [`phase`], [`rng`]: per-thread clocks of a step's phases; the project's seeded generator.
 #[macro_use]
 mod macros;
 

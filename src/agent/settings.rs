@@ -78,3 +78,9 @@ settings_section! {
         max_policy_lag: usize = 0,
     }
 }
+
+impl From<&Rollout> for crate::script::turn::TurnSettings {
+    fn from(r: &Rollout) -> Self {
+        Self { max_actions: r.max_actions, max_actions_per_turn: r.max_actions_per_turn, think: r.think }
+    }
+}

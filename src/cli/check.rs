@@ -39,8 +39,7 @@ fn settings_of(x: &Experiment) -> Result<Settings, String> {
 
 /// How `train` would parse and play `x`'s turns.
 pub fn turn_settings(x: &Experiment) -> Result<TurnSettings, String> {
-    let r = settings_of(x)?.rollout;
-    Ok(TurnSettings { max_actions: r.max_actions, max_actions_per_turn: r.max_actions_per_turn, think: r.think })
+    Ok(TurnSettings::from(&settings_of(x)?.rollout))
 }
 
 /// Every check of `path` (`script::check::check`) plus, for an experiment, its settings as
@@ -55,7 +54,7 @@ pub fn check(
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let host = Host::for_script(&args.script, Limits::from_env().map_err(anyhow::Error::msg)?);
+    let host = Host::for_script(&args.script, Limits::from_env()?);
     let overrides =
         args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
     if let Some(turn) = &args.turn {

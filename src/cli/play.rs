@@ -136,7 +136,7 @@ impl Game {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let host = Host::for_script(&args.env, Limits::from_env().map_err(anyhow::Error::msg)?);
+    let host = Host::for_script(&args.env, Limits::from_env()?);
     let mut overrides = Vec::new();
     for p in &args.params {
         overrides.push(parse_assignment(p).map_err(anyhow::Error::msg)?);
@@ -147,7 +147,7 @@ pub fn run(args: Args) -> Result<()> {
             let settings = turn_settings(&x).map_err(anyhow::Error::msg)?;
             (x.env.clone(), x.params.clone(), settings)
         }
-        _ => (args.env.clone(), Map::new(), TurnSettings::default()),
+        _ => (args.env.clone(), Map::new(), TurnSettings::from(&crate::agent::settings::Rollout::default())),
     };
     let env = EnvScript::load(&host, &env_path)?;
     let defaults = env.params_from(&base)?;

@@ -81,21 +81,24 @@ impl Limits {
     }
 
     /// The defaults with `RAGEN_LIMITS` applied (see [`Limits::with`]).
-    pub fn from_env() -> Result<Self, String> {
+    pub fn from_env() -> anyhow::Result<Self> {
         match std::env::var(Self::ENV) {
-            Ok(text) => Self::default().with(&text).map_err(|e| format!("{}: {e}", Self::ENV)),
+            Ok(text) => Self::default().with(&text).map_err(|e| anyhow::anyhow!("{}: {e}", Self::ENV)),
             Err(_) => Ok(Self::default()),
         }
     }
 
     /// These limits with `key=value` pairs (comma-separated) applied; keys are the field names,
     /// and `call_timeout_ms` for the timeout. 0 means unlimited for the counts.
-    pub fn with(mut self, assignments: &str) -> Result<Self, String> {
+    pub fn with(mut self, assignments: &str) -> anyhow::Result<Self> {
         for pair in assignments.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').ok_or_else(|| format!("{pair:?}: expected key=value"))?;
-            let n: u64 =
-                value.trim().replace('_', "").parse().map_err(|_| format!("{key}: {value:?} is not a whole number"))?;
-            let size = usize::try_from(n).map_err(|_| format!("{key}: {n} is too large"))?;
+            let (key, value) = pair.split_once('=').ok_or_else(|| anyhow::anyhow!("{pair:?}: expected key=value"))?;
+            let n: u64 = value
+                .trim()
+                .replace('_', "")
+                .parse()
+                .map_err(|_| anyhow::anyhow!("{key}: {value:?} is not a whole number"))?;
+            let size = usize::try_from(n).map_err(|_| anyhow::anyhow!("{key}: {n} is too large"))?;
             match key.trim() {
                 "max_operations" => self.max_operations = n,
                 "max_call_levels" => self.max_call_levels = size,
@@ -109,9 +112,9 @@ impl Limits {
                 "max_script_bytes" => self.max_script_bytes = size,
                 "call_timeout_ms" => self.call_timeout = Duration::from_millis(n),
                 other => {
-                    return Err(format!(
+                    anyhow::bail!(
                         "unknown limit {other:?}; known: max_operations, max_call_levels, max_expr_depth, max_string_size, max_array_size, max_map_size, max_depth, max_memory, max_output, max_script_bytes, call_timeout_ms"
-                    ))
+                    )
                 }
             }
         }

@@ -154,18 +154,13 @@ impl TurnLimits {
 
 /// The rollout settings that decide how a turn is parsed and played (`rollout.max_actions`,
 /// `rollout.max_actions_per_turn`, 0 = the env's own; `rollout.think`), for the tools that play
-/// turns outside training. The defaults are the training defaults.
+/// turns outside training; made from the rollout section (`agent::settings`), so its defaults
+/// are training's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TurnSettings {
     pub max_actions: usize,
     pub max_actions_per_turn: usize,
     pub think: bool,
-}
-
-impl Default for TurnSettings {
-    fn default() -> Self {
-        Self { max_actions: 0, max_actions_per_turn: 0, think: true }
-    }
 }
 
 /// What one turn's actions did to an episode.

@@ -122,7 +122,7 @@ impl Summary {
 
 /// One episode to play.
 #[derive(Clone)]
-struct Item {
+struct EpisodeJob {
     variant: usize,
     group: usize,
     index: usize,
@@ -130,7 +130,7 @@ struct Item {
 }
 
 /// What a worker hands back per episode: the trajectory line and its requests' numbers.
-struct Played {
+struct EpisodeResult {
     variant: usize,
     line: Value,
     latencies: Vec<f64>,
@@ -140,7 +140,7 @@ struct Played {
 
 pub fn eval(opts: Options) -> Result<Summary> {
     let t_start = Instant::now();
-    let limits = Limits::from_env().map_err(anyhow::Error::msg)?;
+    let limits = Limits::from_env()?;
     let host = Host::for_script(&opts.experiment, limits);
     let exp = Experiment::load(&host, &opts.experiment)?;
     let s = resolve_settings(Preset::StarpoS, None, &exp.settings, &exp.path, &opts.sets)?;
@@ -184,7 +184,7 @@ pub fn eval(opts: Options) -> Result<Summary> {
         for group in 0..n_seeds {
             for index in 0..s.train.val_samples {
                 if !done.contains(&(v, group as u64, index as u64)) {
-                    queue.push_back(Item { variant: v, group, index, seed: s.train.val_seed + group as u64 });
+                    queue.push_back(EpisodeJob { variant: v, group, index, seed: s.train.val_seed + group as u64 });
                 }
             }
         }
@@ -211,7 +211,7 @@ pub fn eval(opts: Options) -> Result<Summary> {
     // Workers play whole episodes; this thread writes each one down as it finishes.
     let total = queue.len();
     let queue = Arc::new(Mutex::new(queue));
-    let (tx, rx) = channel::<Result<Played>>();
+    let (tx, rx) = channel::<Result<EpisodeResult>>();
     let workers: Vec<std::thread::JoinHandle<()>> = (0..opts.concurrency.min(total))
         .map(|_| {
             let (queue, tx, endpoint, host, exp, s) =
@@ -341,8 +341,8 @@ fn play(
     scripts: &crate::script::ExperimentScripts,
     s: &Settings,
     params: &Map<String, Value>,
-    item: &Item,
-) -> Result<Played> {
+    item: &EpisodeJob,
+) -> Result<EpisodeResult> {
     let r = &s.rollout;
     let turns = Turns::new(scripts, params, r)?;
     let mut play = Play::new(scripts, item.group, item.index, item.seed, params, &turns.system)?;
@@ -411,7 +411,7 @@ fn play(
     }
     let versions = Versions::of(scripts);
     let t = play.finish(&turns.system, &versions, Default::default());
-    Ok(Played {
+    Ok(EpisodeResult {
         variant: item.variant,
         line: trajectory_line(0, None, &t, None, None, false),
         latencies,

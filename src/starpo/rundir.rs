@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Map, Value};
 
+use crate::metrics::run::read_jsonl;
 use crate::script::{EnvScript, Experiment, ExperimentScripts, Host, PromptScript, RewardScript, Script};
 
 #[derive(Debug)]
@@ -31,11 +32,6 @@ pub fn write_atomic(path: &Path, text: &[u8]) -> Result<()> {
     let tmp = path.with_extension("tmp");
     fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
     fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
-}
-
-/// The parseable lines of a JSONL file (none when it is missing).
-fn read_jsonl(path: &Path) -> Vec<Value> {
-    fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
 /// Appends `v` as one line of a JSONL file.
@@ -80,7 +76,7 @@ impl RunDir {
             write_atomic(&metrics, kept.as_bytes())?;
         }
         let mut current = HashMap::new();
-        for v in read_jsonl(&path.join("scripts/index.jsonl")) {
+        for v in read_jsonl(&path.join("scripts/index.jsonl"))? {
             let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
             current.insert((s("role"), s("path")), s("hash"));
         }
@@ -197,12 +193,12 @@ impl RunDir {
         host: &std::sync::Arc<Host>,
         exp: &Experiment,
     ) -> Result<(ExperimentScripts, Vec<String>)> {
-        let failed: HashSet<String> = read_jsonl(&path.join("events.jsonl"))
+        let failed: HashSet<String> = read_jsonl(&path.join("events.jsonl"))?
             .into_iter()
             .filter(|e| e["kind"] == "script_error")
             .filter_map(|e| e["version"].as_str().map(str::to_string))
             .collect();
-        let index = read_jsonl(&path.join("scripts/index.jsonl"));
+        let index = read_jsonl(&path.join("scripts/index.jsonl"))?;
         let mut notes = Vec::new();
         let mut pick = |role: &str, file: &Path| -> Result<std::sync::Arc<Script>> {
             let on_disk = host.compile(file);
@@ -323,7 +319,7 @@ mod tests {
         for (step, s) in [(1, &v1), (2, &v1), (3, &v2), (5, &v1)] {
             run.record_script(step, "reward", s).unwrap();
         }
-        let index = || read_jsonl(&dir.path().join("run/scripts/index.jsonl"));
+        let index = || read_jsonl(&dir.path().join("run/scripts/index.jsonl")).unwrap();
         let used: Vec<(u64, String)> =
             index().iter().map(|l| (l["step"].as_u64().unwrap(), l["hash"].as_str().unwrap().to_string())).collect();
         let (h1, h2) = (v1.version().to_string(), v2.version().to_string());

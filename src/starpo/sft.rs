@@ -138,7 +138,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
     if opts.episodes == 0 || opts.epochs == 0 {
         bail!("--episodes and --epochs must be at least 1");
     }
-    let host = Host::for_script(&opts.experiment, Limits::from_env().map_err(anyhow::Error::msg)?);
+    let host = Host::for_script(&opts.experiment, Limits::from_env()?);
     let exp = Experiment::load(&host, &opts.experiment)?;
     let s = resolve_settings(Preset::StarpoS, None, &exp.settings, &exp.path, &opts.sets)?;
     let scripts = exp.scripts(&host)?;

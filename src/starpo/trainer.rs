@@ -184,7 +184,7 @@ struct Trainer<'o> {
 
 impl<'o> Trainer<'o> {
     fn open(opts: &'o Options) -> Result<Self> {
-        let host = Host::for_script(&opts.experiment, Limits::from_env().map_err(anyhow::Error::msg)?);
+        let host = Host::for_script(&opts.experiment, Limits::from_env()?);
         let mut exp = Experiment::load(&host, &opts.experiment)?;
         let resume = if opts.resume { Some(Resume::open(&opts.run_dir)?) } else { None };
         let mut s = match &resume {
