@@ -17,7 +17,7 @@ use candle_core::{Device, Tensor};
 use super::advantage::{bi_level_gae, gae, spread, spread_turns, whiten};
 use super::loss::{agg_share, clipped_surrogate, kl, seq_mean_token_mean, value_loss};
 use super::optim::AdamW;
-use super::settings::{AdvantageKind, Settings};
+use super::settings::{AdvantageKind, Settings, Starpo};
 use crate::agent::pack::Packed;
 use crate::phase::{self, Phase};
 use crate::policy::{Critic, Policy, TokenBatch};
@@ -253,6 +253,98 @@ pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize) -> Resu
     Ok(out)
 }
 
+/// What the update reads from the weights before it moves them: each sequence's old log-probs
+/// (skipped on a single optimiser step, where the step's own forward pass, detached, is
+/// bit-identical), the reference's where the KL loss is on, and the critic's values.
+struct Old {
+    lp: Vec<Vec<f32>>,
+    ref_lp: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    /// Positions run.
+    tokens: usize,
+}
+
+/// The no-graph passes of [`Old`], timed as the old-log-probs phase.
+fn old_passes(m: &Models<'_>, packed: &[&Packed], micro: usize, pad: u32, single_step: bool, kl: bool) -> Result<Old> {
+    let n = packed.len();
+    let all: Vec<usize> = (0..n).collect();
+    let mut old = Old { lp: vec![Vec::new(); n], ref_lp: vec![Vec::new(); n], values: vec![Vec::new(); n], tokens: 0 };
+    let start = Instant::now();
+    for (ids, tb) in micro_batches(packed, &all, micro, pad)? {
+        let mut tokens = 0;
+        let mut put = |into: &mut Vec<Vec<f32>>, rows: Vec<Vec<f32>>| {
+            ids.iter().zip(rows).for_each(|(&i, row)| into[i] = row);
+            tokens += tb.tokens_computed();
+        };
+        if !single_step {
+            put(&mut old.lp, per_seq(&m.policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?);
+        }
+        if let (Some(r), true) = (m.reference, kl) {
+            put(&mut old.ref_lp, per_seq(&r.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?);
+        }
+        // 3. Critic values.
+        if let Some(c) = m.critic {
+            put(&mut old.values, per_seq(&align_values(&c.values_no_grad(&tb)?)?, &tb.lengths)?);
+        }
+        phase::add_tokens(tokens);
+        old.tokens += tokens;
+    }
+    phase::add_seconds(Phase::OldLogprobs, start.elapsed().as_secs_f64());
+    Ok(old)
+}
+
+/// Per-token advantages of each item (masked, whitened where the estimator is, scaled by its
+/// `adv_scale`) and the critic's returns. `values` without a critic become zeros.
+fn advantages(
+    items: &[Item<'_>],
+    values: &mut [Vec<f32>],
+    masks: &[Vec<bool>],
+    sp: &Starpo,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let mut adv = Vec::with_capacity(items.len());
+    let mut ret = Vec::with_capacity(items.len());
+    for (i, it) in items.iter().enumerate() {
+        let p = it.packed;
+        if values[i].is_empty() {
+            values[i] = vec![0.0; p.ids.len()]; // no critic: V = 0
+        }
+        let (a, r) = match sp.advantage {
+            AdvantageKind::Gae => {
+                let (a, r) = gae(&p.score_rewards(it.score), &values[i], sp.gamma as f32, sp.lam as f32);
+                (a.into_iter().zip(&p.mask).map(|(x, &on)| if on { x } else { 0.0 }).collect(), r)
+            }
+            AdvantageKind::BiLevelGae => bi_level_gae(
+                &p.turn_ends,
+                &p.turn_rewards,
+                &values[i],
+                &p.mask,
+                sp.gamma as f32,
+                sp.lam as f32,
+                sp.high_level_gamma as f32,
+            ),
+            AdvantageKind::ReinforcePlusPlus => (spread(it.score, &p.mask, sp.gamma as f32), vec![0.0; p.ids.len()]),
+            AdvantageKind::TurnGrpo => (spread_turns(&it.turn_scores, &p.turn_ends, &p.mask), vec![0.0; p.ids.len()]),
+            _ => (spread(it.score, &p.mask, 1.0), vec![0.0; p.ids.len()]),
+        };
+        adv.push(a);
+        ret.push(r);
+    }
+    let whitened = match sp.advantage {
+        AdvantageKind::Gae | AdvantageKind::BiLevelGae => sp.whiten,
+        AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline => true,
+        _ => false,
+    };
+    if whitened {
+        whiten(&mut adv, masks);
+    }
+    for (a, it) in adv.iter_mut().zip(items) {
+        if it.adv_scale != 1.0 {
+            a.iter_mut().for_each(|x| *x *= it.adv_scale);
+        }
+    }
+    (adv, ret)
+}
+
 /// One update. `rng` shuffles nothing at RAGEN's defaults (veRL `shuffle: False`); it orders
 /// mini-batches only when there are several epochs.
 pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng) -> Result<UpdateStats> {
@@ -284,81 +376,12 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     // ops), and the no-grad pass is skipped.
     let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
     let single_step = so.epochs == 1 && mb_size >= n;
-    let mut old_lp = vec![Vec::new(); n];
-    let mut ref_lp = vec![Vec::new(); n];
-    let mut old_v = vec![Vec::new(); n];
-    let old_start = Instant::now();
-    for (ids, tb) in micro_batches(&packed, &all, so.micro_batch_size, pad)? {
-        let mut tokens = 0;
-        if !single_step {
-            let lp = per_seq(&policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
-            for (k, &i) in ids.iter().enumerate() {
-                old_lp[i] = lp[k].clone();
-            }
-            tokens += tb.tokens_computed();
-        }
-        if let (Some(r), true) = (m.reference, sp.kl_coef > 0.0) {
-            let lp = per_seq(&r.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?;
-            for (k, &i) in ids.iter().enumerate() {
-                ref_lp[i] = lp[k].clone();
-            }
-            tokens += tb.tokens_computed();
-        }
-        // 3. Critic values.
-        if let Some(c) = m.critic {
-            let v = per_seq(&align_values(&c.values_no_grad(&tb)?)?, &tb.lengths)?;
-            for (k, &i) in ids.iter().enumerate() {
-                old_v[i] = v[k].clone();
-            }
-            tokens += tb.tokens_computed();
-        }
-        phase::add_tokens(tokens);
-        stats.tokens += tokens;
-    }
-    phase::add_seconds(Phase::OldLogprobs, old_start.elapsed().as_secs_f64());
-
+    let old = old_passes(&m, &packed, so.micro_batch_size, pad, single_step, sp.kl_coef > 0.0)?;
+    stats.tokens += old.tokens;
+    let Old { lp: old_lp, ref_lp, mut values, .. } = old;
     // 4. Advantages (and returns for the critic).
-    let mut adv = Vec::with_capacity(n);
-    let mut ret = Vec::with_capacity(n);
-    for (i, it) in items.iter().enumerate() {
-        let p = it.packed;
-        if old_v[i].is_empty() {
-            old_v[i] = vec![0.0; p.ids.len()]; // no critic: V = 0
-        }
-        let (a, r) = match sp.advantage {
-            AdvantageKind::Gae => {
-                let (a, r) = gae(&p.score_rewards(it.score), &old_v[i], sp.gamma as f32, sp.lam as f32);
-                (a.into_iter().zip(&p.mask).map(|(x, &on)| if on { x } else { 0.0 }).collect(), r)
-            }
-            AdvantageKind::BiLevelGae => bi_level_gae(
-                &p.turn_ends,
-                &p.turn_rewards,
-                &old_v[i],
-                &p.mask,
-                sp.gamma as f32,
-                sp.lam as f32,
-                sp.high_level_gamma as f32,
-            ),
-            AdvantageKind::ReinforcePlusPlus => (spread(it.score, &p.mask, sp.gamma as f32), vec![0.0; p.ids.len()]),
-            AdvantageKind::TurnGrpo => (spread_turns(&it.turn_scores, &p.turn_ends, &p.mask), vec![0.0; p.ids.len()]),
-            _ => (spread(it.score, &p.mask, 1.0), vec![0.0; p.ids.len()]),
-        };
-        adv.push(a);
-        ret.push(r);
-    }
-    let whitened = match sp.advantage {
-        AdvantageKind::Gae | AdvantageKind::BiLevelGae => sp.whiten,
-        AdvantageKind::ReinforcePlusPlus | AdvantageKind::ReinforcePlusPlusBaseline => true,
-        _ => false,
-    };
-    if whitened {
-        whiten(&mut adv, &masks);
-    }
-    for (a, it) in adv.iter_mut().zip(items) {
-        if it.adv_scale != 1.0 {
-            a.iter_mut().for_each(|x| *x *= it.adv_scale);
-        }
-    }
+    let (adv, ret) = advantages(items, &mut values, &masks, sp);
+    let old_v = values;
     stats.seq_advantage = adv
         .iter()
         .zip(&masks)
