@@ -728,3 +728,90 @@ fn pinned_metrics_of_the_default_job_are_unchanged() {
         }
     }
 }
+
+/// A reward edited during a run is first scored on the last finished step's trajectories: the
+/// `reward_preview` event's numbers equal a re-score by hand of that step's recorded turns, and
+/// then the edit is swapped in. An edit that fails on those real turns is refused before it is
+/// ever used. `check --against` gives the same numbers offline.
+#[test]
+fn a_reward_edit_is_previewed_on_the_last_step_then_swapped_in() {
+    let p = project();
+    let run = p.path().join("runs/preview");
+    let reward = p.path().join("rewards/format_penalty.rhai");
+    let original = fs::read_to_string(&reward).unwrap();
+    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "40", "--run-dir", "runs/preview"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let events =
+        |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
+    wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
+    // Pays 0.5 more for a turn whose first action is Dragon (the format penalty kept).
+    let bonus = "\nfn shape(turn, reward) { let r = penalty(turn, reward); if turn.actions.len() > 0 && turn.actions[0] == \"Dragon\" { r + 0.5 } else { r } }\n";
+    fs::write(&reward, original.replace("fn shape(turn, reward)", "fn penalty(turn, reward)") + bonus).unwrap();
+    wait_for(&mut child, "the swap", || !events("swap").is_empty());
+    // Passes the watcher's smoke test (its sample env has other actions) but fails on every real
+    // Bandit turn: refused by the preview, never swapped in.
+    let fails = "fn shape(turn, reward) {\n  if \"Dragon\" in turn.env_actions { reward + turn.no_such_key.len() } else { reward }\n}\n";
+    fs::write(&reward, fails).unwrap();
+    wait_for(&mut child, "the refusal", || !events("reload_error").is_empty());
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let preview = &events("reward_preview")[0];
+    let swap = &events("swap")[0];
+    assert_eq!(preview["step"], swap["step"], "previewed at the boundary where it is swapped in");
+    let on = preview["on_step"].as_u64().unwrap();
+    assert_eq!(on, swap["step"].as_u64().unwrap() - 1, "on the last finished step");
+    let lines = jsonl(&run.join(format!("rollouts/step-{on:06}.jsonl")));
+    let rescored: Vec<f64> = lines
+        .iter()
+        .map(|t| {
+            let turns = t["turns"].as_array().unwrap();
+            let dragons = turns.iter().filter(|u| u["actions"][0] == "Dragon").count();
+            t["score"].as_f64().unwrap() + 0.5 * dragons as f64
+        })
+        .collect();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let old: Vec<f64> = lines.iter().map(|t| t["score"].as_f64().unwrap()).collect();
+    let close = |k: &str, want: f64| assert!((preview[k].as_f64().unwrap() - want).abs() < 1e-9, "{k}: {preview}");
+    close("score_old", mean(&old));
+    close("score_new", mean(&rescored));
+    assert_eq!(preview["trajectories"], lines.len());
+    assert_eq!(preview["changed"], rescored.iter().zip(&old).filter(|(a, b)| a != b).count());
+    assert!(preview["moved"].as_array().unwrap().len() <= 3);
+    // The refused edit names the script and the turn it failed on, and no trajectory used it.
+    let refused = &events("reload_error")[0];
+    let says = refused["message"].as_str().unwrap();
+    assert!(says.contains("rewards/format_penalty.rhai:2") && says.contains("recorded turns"), "{refused}");
+    let versions: Vec<String> = jsonl(&run.join("scripts/index.jsonl"))
+        .iter()
+        .filter(|l| l["role"] == "reward")
+        .map(|l| l["hash"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(versions.len(), 2, "the original and the previewed edit only");
+
+    // Offline, the same report on the same step with the same edit.
+    fs::write(&reward, original.replace("fn shape(turn, reward)", "fn penalty(turn, reward)") + bonus).unwrap();
+    let out = Command::new(BIN)
+        .current_dir(p.path())
+        .args(["check", "rewards/format_penalty.rhai", "--against", &format!("runs/preview:{on}")])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let offline: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in ["on_step", "trajectories", "score_old", "score_new", "changed", "groups", "groups_flipped", "moved"] {
+        assert_eq!(offline[k], preview[k], "{k}");
+    }
+    // A step the run never recorded, and a folder that is not a run, are clear errors.
+    for (spec, says) in [("runs/preview:999", "no trajectories of step 999"), ("envs", "settings.json")] {
+        let out = Command::new(BIN)
+            .current_dir(p.path())
+            .args(["check", "rewards/format_penalty.rhai", "--against", spec])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{spec}: {err}");
+    }
+}

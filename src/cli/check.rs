@@ -3,11 +3,12 @@
 //! `script::check`; this file adds the settings check (as `train` would resolve them).
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 use crate::script::check::{check_turn, ScriptCheck};
 use crate::script::turn::TurnSettings;
-use crate::script::{parse_assignment, Experiment, Host, Limits};
+use crate::script::{parse_assignment, Experiment, Host, Limits, RewardScript};
+use crate::starpo::preview;
 use crate::starpo::resume::resolve_settings;
 use crate::starpo::settings::{Preset, Settings};
 
@@ -30,6 +31,13 @@ pub struct Args {
     /// "Testing a reward script"); prints the parsed turn and the reward after each script.
     #[arg(long, value_name = "FILE.json")]
     pub turn: Option<PathBuf>,
+    /// Preview a reward script on a training run's recorded trajectories: re-score step STEP
+    /// (default: the last) turn by turn with this script in place of the run's script of the
+    /// same path, and print mean score before → after, how many scores changed, the groups
+    /// whose advantages change sign and the trajectories that moved most (as JSON). What a
+    /// running `train` reports as a `reward_preview` event when a reward script is edited.
+    #[arg(long, value_name = "RUN[:STEP]", conflicts_with = "turn")]
+    pub against: Option<String>,
 }
 
 /// The settings as `train` would resolve them for `x` (default preset, no flags).
@@ -57,6 +65,15 @@ pub fn run(args: Args) -> Result<()> {
     let host = Host::for_script(&args.script, Limits::from_env()?);
     let overrides =
         args.params.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect::<Result<Vec<_>>>()?;
+    if let Some(spec) = &args.against {
+        let (run, step) = preview::parse_against(spec);
+        let edited = RewardScript::load(&host, &args.script)?;
+        let p = preview::against(&host, &edited, &run, step)
+            .with_context(|| format!("previewing {} on {spec}", args.script.display()))?;
+        eprintln!("{}: {}", args.script.display(), p.summary());
+        println!("{}", serde_json::to_string_pretty(&p)?);
+        return Ok(());
+    }
     if let Some(turn) = &args.turn {
         let text =
             std::fs::read_to_string(turn).map_err(|e| anyhow::anyhow!("reading --turn {}: {e}", turn.display()))?;

@@ -70,7 +70,7 @@ mod reward;
 pub use experiment::{Experiment, ExperimentScripts};
 pub use live::{LiveScripts, RolledBack, Swapped};
 pub use prompt::{PromptScript, TurnContext};
-pub use reward::{apply_and_shape, shape_all, RewardScript};
+pub use reward::{apply_and_shape, shape_all, with_edit, RewardScript};
 pub mod validate;
 mod watch;
 

@@ -25,6 +25,17 @@ impl RewardScript {
     }
 }
 
+/// The chain with `edited` in place of the script of the same name (its path in the project),
+/// or at the end when the chain holds none.
+pub fn with_edit(chain: &[RewardScript], edited: &RewardScript) -> Vec<RewardScript> {
+    let mut out = chain.to_vec();
+    match out.iter_mut().find(|r| r.script().name == edited.script().name) {
+        Some(slot) => *slot = edited.clone(),
+        None => out.push(edited.clone()),
+    }
+    out
+}
+
 /// Applies each script in order to the turn's env reward.
 pub fn shape_all(
     scripts: &[RewardScript],

@@ -19,6 +19,7 @@ pub mod normalize;
 pub mod optim;
 pub mod player;
 pub mod policy_bench;
+pub mod preview;
 pub mod report;
 pub mod resume;
 pub mod rundir;

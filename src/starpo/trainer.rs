@@ -28,6 +28,7 @@ use super::credit::Credit;
 use super::early_stop::{explore_temperature, EarlyStop, Stopped};
 use super::nets::Nets;
 use super::player::{roll_back, Played, Player};
+use super::preview::Preview;
 use super::report::{
     cost_metrics, headline, progress_bar, rollout_metrics, template_collapse_probe, trajectory_line, update_metrics,
 };
@@ -42,7 +43,9 @@ use crate::metrics::keys::Key;
 use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
 use crate::rng::Rng;
-use crate::script::{Experiment, Host, Limits, LiveScripts, Update, Watcher};
+use crate::script::{
+    with_edit, Experiment, Host, Limits, LiveScripts, Loaded, RewardScript, ScriptError, Update, Watcher,
+};
 
 /// The model when neither `--model` nor the experiment names one.
 pub const DEFAULT_MODEL: &str = "smollm2-135m";
@@ -180,6 +183,8 @@ struct Trainer<'o> {
     /// Updates made so far: the policy lag counts these, not steps (a skipped step changes nothing).
     updates: u64,
     retries_seen: usize,
+    /// The last finished step's trajectory lines: a reward edit is previewed on them.
+    last_lines: Option<(u64, Vec<Map<String, Value>>)>,
 }
 
 impl<'o> Trainer<'o> {
@@ -278,6 +283,7 @@ impl<'o> Trainer<'o> {
             version: start_step,
             updates: 0,
             retries_seen: 0,
+            last_lines: None,
         })
     }
 
@@ -300,6 +306,14 @@ impl<'o> Trainer<'o> {
         for update in watcher.poll() {
             match update {
                 Update::Swapped { path, loaded, .. } => {
+                    if let Loaded::Reward(r) = &loaded {
+                        if let Err(error) = self.preview(step, r) {
+                            let msg = format!("{error} (on the last step's recorded turns); keeping the previous version");
+                            self.bar.println(format!("step {step}: reload error: {msg}"));
+                            self.run.event(step, "reload_error", &msg, error.fields())?;
+                            continue;
+                        }
+                    }
                     let done = self.scripts.swap(&path, loaded);
                     let msg = format!("swapped in {} {} → {}", done.name, done.from, done.to);
                     self.run.event(step, "swap", &msg, Map::new())?;
@@ -313,6 +327,32 @@ impl<'o> Trainer<'o> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// An edited reward, before it is swapped in: the last finished step's trajectories
+    /// re-scored through the edited chain, reported as a `reward_preview` event and a line. A
+    /// version that fails on those turns is refused (its error, with the place, comes back).
+    fn preview(&self, step: u64, edited: &RewardScript) -> Result<(), ScriptError> {
+        let Some((on_step, lines)) = &self.last_lines else { return Ok(()) };
+        let env = &self.scripts.current.env;
+        let actions = env.info(&env.params_from(&self.exp.params)?)?.actions;
+        let chain = with_edit(&self.scripts.current.rewards, edited);
+        let preview = match Preview::of(*on_step, lines, &chain, &actions) {
+            Ok(p) => p,
+            Err(e) => {
+                return Err(e
+                    .downcast::<ScriptError>()
+                    .unwrap_or_else(|e| ScriptError::new(&edited.script().name, format!("{e:#}"))))
+            }
+        };
+        let msg = format!("reward preview of {} {}", edited.script().name, preview.summary());
+        self.bar.println(format!("step {step}: {msg}"));
+        let mut fields = preview.fields();
+        fields.insert("script".into(), json!(edited.script().name));
+        fields.insert("version".into(), json!(edited.version()));
+        // Logging can fail only on the disk, which the next event write reports.
+        let _ = self.run.event(step, "reward_preview", &msg, fields);
         Ok(())
     }
 
@@ -451,6 +491,8 @@ impl<'o> Trainer<'o> {
             })
             .collect();
         self.run.rollouts(&format!("step-{step:06}"), &lines)?;
+        let maps = lines.into_iter().filter_map(|l| if let Value::Object(m) = l { Some(m) } else { None });
+        self.last_lines = Some((step, maps.collect()));
         self.bar.set_message(headline(&line));
         self.bar.inc(1);
         Ok(line)
