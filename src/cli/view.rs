@@ -1,11 +1,11 @@
-//! `ragen-lab view`: build the rollout viewer of a run, and optionally serve it to follow a live run.
+//! `ragen-lab view`: build the offline dashboard of a run, and optionally serve the live one.
 use crate::metrics::tensorboard;
 use crate::view;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 #[command(
-    after_help = "One self-contained HTML file that opens offline: every step's trajectories as dialogue turns (observation, collapsible thinking, answer, parsed actions with invalid ones marked, rewards, score, advantage, script versions), filters by step, group, success and validity, a steps table, the metric charts and the Echo-Trap alarms."
+    after_help = "The dashboard of a run: its health (step, steps/min, ETA, last alarm), the metric curves with Echo-Trap alarms and script swaps marked, each step's reward histogram, groups side by side and trajectories as dialogue turns (filters by group, success and validity), a steps table, alarms and events, and the script versions with their diffs. Written as one HTML file that opens offline (the newest steps' trajectories embedded); with --serve, live: new steps, alarms and events arrive as they are written, and rollouts load a page at a time."
 )]
 pub struct Args {
     /// The run directory (runs/<name>/).
@@ -14,9 +14,10 @@ pub struct Args {
     /// Where to write the page [default: RUN/view/index.html].
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
-    /// Serve the run on http://127.0.0.1:PORT (0 = any free port). The page is rebuilt on every
-    /// load, so reloading follows a run that is still training. Requests must name the server
-    /// as localhost or by IP address (Host header), which shuts out DNS-rebinding pages.
+    /// Serve the live dashboard on http://127.0.0.1:PORT (0 = any free port): it follows a run
+    /// that is still training, without reloading. It only reads the run directory. Requests must
+    /// name the server as localhost or by IP address (Host header), which shuts out
+    /// DNS-rebinding pages.
     #[arg(long, value_name = "PORT")]
     pub serve: Option<u16>,
     /// With --serve: the address to listen on, e.g. 0.0.0.0 to let other machines in (anyone who
