@@ -368,7 +368,7 @@ fn view_serve_answers_the_dashboard_api_and_streams_new_steps() {
 
     // The event stream: open it where the summary left off, then the trainer logs step 4.
     let mut live = std::net::TcpStream::connect(&addr).unwrap();
-    write!(live, "GET /api/live?since={} HTTP/1.1\r\nHost: {addr}\r\n\r\n", summary["seq"]).unwrap();
+    write!(live, "GET /api/live?since={} HTTP/1.1\r\nHost: {addr}\r\n\r\n", summary["seq"].as_str().unwrap()).unwrap();
     append_jsonl(&run.join("metrics.jsonl"), &metrics_line(4, 100, 0.01));
     append_jsonl(&run.join("events.jsonl"), &json!({"step": 4, "kind": "checkpoint", "message": "saved step 4"}));
     rollout_file(&run, 4, false);

@@ -24,7 +24,8 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<Map<String, Value>>> {
 }
 
 /// A JSONL file read as it grows, for a reader that follows a live run: each [`Tail::read`]
-/// returns the complete lines appended since the last one. A last line without its newline is a
+/// returns complete lines appended since the last one, about [`Tail::CHUNK`] bytes at most (read
+/// again until it returns none to catch up). A last line without its newline is a
 /// write in progress and waits for the next read; any other bad line is an error naming the file
 /// and line (after the good lines before it were returned), and the next read goes on after it.
 #[derive(Debug)]
@@ -49,12 +50,15 @@ pub enum Grown {
 }
 
 impl Tail {
+    /// Bytes of lines one read returns at most (a longer line comes whole).
+    pub const CHUNK: usize = 1 << 20;
+
     pub fn new(path: &Path) -> Tail {
         Tail { path: path.to_path_buf(), offset: 0, line: 0, inode: None }
     }
 
     pub fn read(&mut self) -> Result<Grown> {
-        use std::io::{Read, Seek, SeekFrom};
+        use std::io::{BufRead, Seek, SeekFrom};
         use std::os::unix::fs::MetadataExt;
         let mut file = match std::fs::File::open(&self.path) {
             Ok(f) => f,
@@ -68,15 +72,17 @@ impl Tail {
             return Ok(Grown::Rewritten);
         }
         self.inode = Some(meta.ino());
-        let mut bytes = vec![];
-        file.seek(SeekFrom::Start(self.offset))
-            .and_then(|_| file.read_to_end(&mut bytes))
-            .with_context(|| format!("reading {}", self.path.display()))?;
-        let mut out = vec![];
-        let mut consumed = 0;
-        for raw in bytes.split_inclusive(|&b| b == b'\n') {
+        file.seek(SeekFrom::Start(self.offset)).with_context(|| format!("reading {}", self.path.display()))?;
+        let mut reader = std::io::BufReader::new(file);
+        let (mut out, mut consumed, mut raw) = (vec![], 0, vec![]);
+        // Line by line up to a budget, so catching up on a long run holds a chunk, not the file.
+        while consumed < Tail::CHUNK {
+            raw.clear();
+            if reader.read_until(b'\n', &mut raw).with_context(|| format!("reading {}", self.path.display()))? == 0 {
+                break;
+            }
             let ended = raw.ends_with(b"\n");
-            let text = raw.strip_suffix(b"\n").unwrap_or(raw);
+            let text = raw.strip_suffix(b"\n").unwrap_or(&raw);
             if text.iter().all(u8::is_ascii_whitespace) {
                 consumed += if ended { raw.len() } else { 0 };
                 self.line += usize::from(ended);

@@ -55,6 +55,9 @@ pub struct Follow {
     rollouts_mtime: Option<SystemTime>,
     /// The last update's number (0: none yet).
     pub seq: u64,
+    /// When this follower was made (unix ns): update numbers mean something only within one
+    /// follower, so a page that reconnects to a restarted server is told to start over.
+    pub epoch: u128,
     log: VecDeque<Update>,
 }
 
@@ -101,6 +104,7 @@ impl Follow {
             rollouts_seen: HashSet::new(),
             rollouts_mtime: None,
             seq: 0,
+            epoch: SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
             log: VecDeque::new(),
         }
     }
@@ -108,18 +112,21 @@ impl Follow {
     /// Reads what the run appended since the last poll. Returns whether anything changed.
     pub fn poll(&mut self) -> Result<bool> {
         let before = self.seq;
-        if !self.poll_once()? {
-            // Start over on the same numbering, so open streams see `reset` and not old numbers.
-            let (seq, log) = (self.seq, std::mem::take(&mut self.log));
-            *self = Follow { seq, log, ..Follow::new(&self.dir) };
-            self.push("reset", json!({}));
-            self.poll_once()?;
+        match self.poll_once() {
+            Err(e) if e.is::<Rewritten>() => {
+                // Start over on the same numbering, so open streams see `reset`, not old numbers.
+                let (seq, epoch, log) = (self.seq, self.epoch, std::mem::take(&mut self.log));
+                *self = Follow { seq, epoch, log, ..Follow::new(&self.dir) };
+                self.push("reset", json!({}));
+                self.poll_once()?;
+            }
+            r => r?,
         }
         Ok(self.seq != before)
     }
 
-    /// One pass over the files; false when what was read before no longer holds.
-    fn poll_once(&mut self) -> Result<bool> {
+    /// One pass over the files; [`Rewritten`] when what was read before no longer holds.
+    fn poll_once(&mut self) -> Result<()> {
         if self.settings.is_none() {
             let path = self.dir.join("settings.json");
             if let Ok(text) = std::fs::read_to_string(&path) {
@@ -127,33 +134,37 @@ impl Follow {
                     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
                 if !self.times.is_empty() {
                     // Alarms were replayed with default thresholds; the run's own apply from step 1.
-                    return Ok(false);
+                    return Err(Rewritten.into());
                 }
                 self.monitor = EchoTrapMonitor::new(echo_settings(Some(&settings)));
                 self.push("settings", settings.clone());
                 self.settings = Some(settings);
             }
         }
-        let Some(scripts) = lines(&mut self.tails.scripts, &mut self.warnings) else { return Ok(false) };
-        for s in scripts {
-            self.push("script", Value::Object(s.clone()));
-            self.scripts.push(s);
+        // Each tail is read to its end a chunk at a time (a long run's catch-up holds one chunk).
+        while let Some(scripts) = lines(&mut self.tails.scripts, &mut self.warnings)? {
+            for s in scripts {
+                self.push("script", Value::Object(s.clone()));
+                self.scripts.push(s);
+            }
         }
         // Events before metrics: a validation's numbers give way to the metrics line's, and an
         // alarm the trainer recorded is not taken for a replayed one.
-        let Some(events) = lines(&mut self.tails.events, &mut self.warnings) else { return Ok(false) };
-        for e in events {
-            self.event(e);
-        }
-        let Some(metrics) = lines(&mut self.tails.metrics, &mut self.warnings) else { return Ok(false) };
-        for m in metrics {
-            if self.times.last().is_some_and(|&(last, _)| step_of(&m) <= last) {
-                return Ok(false);
+        while let Some(events) = lines(&mut self.tails.events, &mut self.warnings)? {
+            for e in events {
+                self.event(e);
             }
-            self.metrics(&m);
         }
-        self.poll_rollouts()?;
-        Ok(true)
+        while let Some(metrics) = lines(&mut self.tails.metrics, &mut self.warnings)? {
+            for m in metrics {
+                // A step that goes backwards: the run was resumed from an earlier checkpoint.
+                if self.times.last().is_some_and(|&(last, _)| step_of(&m) <= last) {
+                    return Err(Rewritten.into());
+                }
+                self.metrics(&m);
+            }
+        }
+        self.poll_rollouts()
     }
 
     fn metrics(&mut self, m: &Map<String, Value>) {
@@ -242,27 +253,53 @@ impl Follow {
         self.log.push_back(Update { seq: self.seq, kind, data });
     }
 
-    /// The updates after `seq`, or None when some of them are no longer kept (start over).
-    pub fn since(&self, seq: u64) -> Option<Vec<Update>> {
+    /// Where the updates stand, as `EPOCH-SEQ` (the event stream's ids).
+    pub fn position(&self) -> String {
+        self.id(self.seq)
+    }
+
+    pub fn id(&self, seq: u64) -> String {
+        format!("{}-{seq}", self.epoch)
+    }
+
+    /// The updates after `position`, or None when the page must fetch everything again: some of
+    /// them are no longer kept, or the position is another follower's.
+    pub fn since(&self, position: &str) -> Option<Vec<Update>> {
+        let (epoch, seq) = position.split_once('-')?;
+        let seq: u64 = seq.parse().ok()?;
         let first = self.log.front().map_or(self.seq + 1, |u| u.seq);
-        if seq + 1 < first && seq < self.seq {
+        if epoch.parse() != Ok(self.epoch) || seq > self.seq || (seq + 1 < first && seq < self.seq) {
             return None;
         }
         Some(self.log.iter().filter(|u| u.seq > seq).cloned().collect())
     }
 }
 
-/// The new lines of a tail; None when its file was rewritten. A bad line becomes a warning and
-/// is skipped (a dashboard that stops at one bad line would hide the rest of the run).
-fn lines(tail: &mut Tail, warnings: &mut Vec<String>) -> Option<Vec<Map<String, Value>>> {
+/// The next lines of a tail, None once it has no more; [`Rewritten`] when its file was. A bad
+/// line becomes a warning and is skipped (a dashboard that stopped at one bad line would hide the
+/// rest of the run).
+fn lines(tail: &mut Tail, warnings: &mut Vec<String>) -> Result<Option<Vec<Map<String, Value>>>> {
     loop {
         match tail.read() {
-            Ok(Grown::Lines(l)) => return Some(l),
-            Ok(Grown::Rewritten) => return None,
+            Ok(Grown::Lines(l)) => return Ok(Some(l).filter(|l| !l.is_empty())),
+            Ok(Grown::Rewritten) => return Err(Rewritten.into()),
             Err(e) => warnings.push(format!("{e:#}")),
         }
     }
 }
+
+/// What the follower read no longer describes the run (a file replaced or shortened, a step that
+/// went backwards, settings that came after the metrics): it starts over.
+#[derive(Debug)]
+struct Rewritten;
+
+impl std::fmt::Display for Rewritten {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the run directory was rewritten under the reader")
+    }
+}
+
+impl std::error::Error for Rewritten {}
 
 /// Sets the value at `step` (points stay in step order); an existing value is replaced only with
 /// `replace`. Returns whether the value was stored.
@@ -273,4 +310,53 @@ fn put(points: &mut Vec<(u64, f64)>, step: u64, v: f64, replace: bool) -> bool {
         Err(i) => points.insert(i, (step, v)),
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn append(path: &Path, line: &str) {
+        std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap().write_all(line.as_bytes()).unwrap();
+    }
+
+    fn kinds(updates: &[Update]) -> Vec<&'static str> {
+        updates.iter().map(|u| u.kind).collect()
+    }
+
+    #[test]
+    fn appended_lines_become_updates_and_a_rewritten_run_a_reset() {
+        let dir = tempfile::tempdir().unwrap();
+        let (run, metrics) = (dir.path(), dir.path().join("metrics.jsonl"));
+        let mut f = Follow::new(run);
+        assert!(!f.poll().unwrap(), "an empty directory has nothing to say");
+        let start = f.position();
+        append(&metrics, "{\"step\":1,\"time\":10.0,\"rollout/reward_mean\":0.5}\n{\"step\":2,\"time\":12.0,\"rollout/reward_mean\":0.7}\n");
+        append(&run.join("events.jsonl"), "{\"step\":2,\"kind\":\"validation\",\"val/success\":0.25}\n");
+        assert!(f.poll().unwrap());
+        let got = f.since(&start).unwrap();
+        assert_eq!(kinds(&got), vec!["metrics", "event", "metrics", "metrics"]);
+        assert_eq!(f.series["rollout/reward_mean"], vec![(1, 0.5), (2, 0.7)]);
+        assert_eq!(f.series["val/success"], vec![(2, 0.25)]);
+        let here = f.position();
+        assert!(f.since(&here).unwrap().is_empty());
+        // A half-written line waits for its end.
+        append(&metrics, "{\"step\":3,\"time\":14.0,");
+        assert!(!f.poll().unwrap());
+        append(&metrics, "\"rollout/reward_mean\":0.9}\n");
+        assert!(f.poll().unwrap());
+        assert_eq!(kinds(&f.since(&here).unwrap()), vec!["metrics"]);
+        // Another server's position, or one from the future: start over.
+        assert!(f.since("1-0").is_none() && f.since(&f.id(f.seq + 5)).is_none() && f.since("junk").is_none());
+
+        // A resumed run replaces metrics.jsonl by rename, without step 3.
+        let here = f.position();
+        std::fs::write(run.join("m.tmp"), "{\"step\":1,\"time\":10.0,\"rollout/reward_mean\":0.5}\n").unwrap();
+        std::fs::rename(run.join("m.tmp"), &metrics).unwrap();
+        assert!(f.poll().unwrap());
+        assert_eq!(kinds(&f.since(&here).unwrap())[0], "reset");
+        assert_eq!(f.series["rollout/reward_mean"], vec![(1, 0.5)]);
+        assert_eq!(f.events.len(), 1, "events read again once");
+    }
 }

@@ -22,13 +22,14 @@ use crate::metrics::run::{check_dir, read_jsonl, step_of};
 use anyhow::{Context, Result};
 use follow::Follow;
 use serde_json::{json, Map, Value};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 const PAGE: &str = include_str!("page.html");
 /// Where the page's script expects the data (a JSON literal replaces this whole comment).
 const SLOT: &str = "/*RAGEN_DATA*/null";
-/// The offline page embeds trajectories up to this many bytes of JSON, newest steps first; the
-/// older steps say to serve the run to read them.
+/// The offline page embeds trajectories up to this many bytes of rollout files, newest steps
+/// first; the older steps say to serve the run to read them.
 pub const OFFLINE_TRAJECTORY_BYTES: usize = 16 << 20;
 /// Points per series in the summary: each chart is a few hundred pixels wide, so a long run is
 /// thinned to the lowest and highest value of each of this many buckets (a spike stays visible).
@@ -63,19 +64,22 @@ pub fn summary(f: &Follow) -> Value {
             json!({"file": p.file, "title": p.title, "y": p.y, "lines": lines})
         })
         .collect();
-    let series: Map<String, Value> = f
-        .series
-        .iter()
+    let mut thinned: BTreeMap<&str, Vec<(u64, f64)>> =
+        f.series.iter().map(|(k, points)| (*k, thin(points, CHART_BUCKETS))).collect();
+    // A band (± std) is drawn around its line's points, so it keeps the steps its line kept.
+    for l in PANELS.iter().flat_map(|p| p.lines) {
+        if let Some(band) = l.band {
+            let kept: HashSet<u64> = thinned[l.key.name()].iter().map(|p| p.0).collect();
+            thinned
+                .insert(band.name(), f.series[band.name()].iter().filter(|p| kept.contains(&p.0)).copied().collect());
+        }
+    }
+    let series: Map<String, Value> = thinned
+        .into_iter()
         .filter(|(_, points)| !points.is_empty())
         .map(|(k, points)| {
-            let thin = thin(points, CHART_BUCKETS);
-            (
-                (*k).to_string(),
-                json!([
-                    thin.iter().map(|p| p.0).collect::<Vec<_>>(),
-                    thin.iter().map(|p| round(p.1)).collect::<Vec<_>>()
-                ]),
-            )
+            let (steps, values): (Vec<u64>, Vec<f64>) = points.iter().map(|&(s, v)| (s, round(v))).unzip();
+            (k.to_string(), json!([steps, values]))
         })
         .collect();
     let marks: Vec<Value> = f
@@ -90,7 +94,7 @@ pub fn summary(f: &Follow) -> Value {
     json!({
         "run": name.unwrap_or_else(|| f.dir.display().to_string()),
         "dir": f.dir.display().to_string(),
-        "seq": f.seq,
+        "seq": f.position(),
         "settings": f.settings,
         "panels": panels,
         "step_columns": STEP_COLUMNS.iter().map(|(k, label)| json!([k.name(), label])).collect::<Vec<_>>(),
@@ -182,7 +186,7 @@ pub fn offline(f: &Follow) -> Result<Value> {
         }
         let trajectories = read_jsonl(&r.path)?;
         let episodes = step::episodes(&trajectories);
-        bytes += trajectories.iter().map(|t| Value::Object(t.clone()).to_string().len()).sum::<usize>();
+        bytes += std::fs::metadata(&r.path).map_or(0, |m| m.len() as usize);
         let key = if r.validation { format!("val-{}", r.step) } else { r.step.to_string() };
         rollouts.insert(key, json!({"episodes": episodes, "trajectories": trajectories}));
     }
@@ -201,7 +205,7 @@ pub fn offline(f: &Follow) -> Result<Value> {
 
 /// (previous version, version) of each entry of scripts/index.jsonl, by path.
 fn script_pairs(index: &[Map<String, Value>]) -> Vec<(Option<&str>, &str)> {
-    let mut last: std::collections::HashMap<&str, &str> = std::collections::HashMap::new();
+    let mut last: HashMap<&str, &str> = HashMap::new();
     let mut out = vec![];
     for e in index {
         let (Some(path), Some(hash)) = (e.get("path").and_then(Value::as_str), e.get("hash").and_then(Value::as_str))

@@ -4,8 +4,9 @@
 //!
 //! - `/` the page (no data embedded: it fetches the summary);
 //! - `/api/summary` what the page draws first ([`super::summary`]);
-//! - `/api/live?since=SEQ` the updates after SEQ as server-sent events, as they are written
-//!   (`Last-Event-ID` on a reconnect wins over `since`);
+//! - `/api/live?since=POS` the updates after POS (the summary's `seq`) as server-sent events, as
+//!   they are written (`Last-Event-ID` on a reconnect wins over `since`; a position this server
+//!   cannot continue from gets `reset`, and the page fetches the summary again);
 //! - `/api/steps?before=STEP&limit=N` rows of the steps table; `/api/events?before=I&limit=N` older
 //!   events; `/api/step?step=S&val=0|1` one row per episode of a step; `/api/trajectories?step=S&val=0|1&at=0,1,2`
 //!   full trajectories by line; `/api/diff?old=HASH&new=HASH` two script versions' line diff;
@@ -100,8 +101,8 @@ fn answer(shared: &Arc<Shared>, port: u16, request: Request) -> std::io::Result<
     } else if *request.method() != Method::Get {
         (405, "text/plain", b"only GET\n".to_vec())
     } else if path == "/api/live" {
-        let since = header("Last-Event-ID").or_else(|| query.get("since").cloned()).and_then(|s| s.parse().ok());
-        return stream(shared.clone(), request, since.unwrap_or(0));
+        let since = header("Last-Event-ID").or_else(|| query.get("since").cloned()).unwrap_or_default();
+        return stream(shared.clone(), request, since);
     } else {
         respond(shared, &path, &query)
     };
@@ -115,7 +116,7 @@ fn answer(shared: &Arc<Shared>, port: u16, request: Request) -> std::io::Result<
 
 /// Sends the updates after `since` as server-sent events, then each new one as it comes, on a
 /// thread of its own until the page goes away.
-fn stream(shared: Arc<Shared>, request: Request, since: u64) -> std::io::Result<()> {
+fn stream(shared: Arc<Shared>, request: Request, since: String) -> std::io::Result<()> {
     if shared.streams.fetch_add(1, Ordering::SeqCst) >= MAX_STREAMS {
         shared.streams.fetch_sub(1, Ordering::SeqCst);
         let busy = Response::from_string("too many open dashboards\n").with_status_code(503);
@@ -129,7 +130,7 @@ fn stream(shared: Arc<Shared>, request: Request, since: u64) -> std::io::Result<
     Ok(())
 }
 
-fn send_updates(shared: &Shared, out: &mut dyn Write, mut since: u64) -> std::io::Result<()> {
+fn send_updates(shared: &Shared, out: &mut dyn Write, mut since: String) -> std::io::Result<()> {
     out.write_all(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\nConnection: close\r\n\r\nretry: 2000\n\n",
     )?;
@@ -137,21 +138,21 @@ fn send_updates(shared: &Shared, out: &mut dyn Write, mut since: u64) -> std::io
     let mut f = shared.follow.lock().expect("follower lock");
     loop {
         let mut text = String::new();
-        match f.since(since) {
+        match f.since(&since) {
             Some(updates) => {
                 for u in updates {
-                    text += &format!("id: {}\nevent: {}\ndata: {}\n\n", u.seq, u.kind, u.data);
+                    text += &format!("id: {}\nevent: {}\ndata: {}\n\n", f.id(u.seq), u.kind, u.data);
                 }
             }
-            // Too far behind: the page fetches everything again.
-            None => text += &format!("id: {}\nevent: reset\ndata: {{}}\n\n", f.seq),
+            // Too far behind, or another server's numbers: the page fetches everything again.
+            None => text += &format!("id: {}\nevent: reset\ndata: {{}}\n\n", f.position()),
         }
-        since = f.seq;
+        since = f.position();
         drop(f);
         out.write_all(if text.is_empty() { b": still here\n\n" } else { text.as_bytes() })?;
         out.flush()?;
         f = shared.follow.lock().expect("follower lock");
-        if f.seq == since {
+        if f.position() == since {
             f = shared.changed.wait_timeout(f, HEARTBEAT).expect("follower lock").0;
         }
     }
