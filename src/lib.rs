@@ -8,7 +8,7 @@
 //!   batched sampling, differentiable log-probs, value head.
 //! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the trainer loop.
 //! - [`metrics`]: the run log, Echo-Trap diagnostics, plots.
-//! - [`view`]: the static rollout viewer.
+//! - [`view`]: the dashboard of a run (offline page, or served live).
 //! - [`phase`]: per-thread clocks of a training step's phases.
 #[macro_use]
 mod macros;

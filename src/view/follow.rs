@@ -7,8 +7,9 @@
 //! `plot` does), the events and the script versions. It never keeps trajectories (the server reads
 //! one step's file when the page asks), so its memory grows with steps, not with rollouts.
 //!
-//! A file replaced or shortened under it (a resumed run rewrites metrics.jsonl) or a step that goes
-//! backwards starts it over, and the page is told to fetch everything again (`reset`).
+//! A file replaced or shortened under it (a resumed run rewrites metrics.jsonl) starts it over; a
+//! step logged again replaces the later ones. Either way the page is told to fetch everything again
+//! (`reset`).
 use crate::metrics::echo_trap::{EchoSettings, EchoTrapMonitor};
 use crate::metrics::keys::Key;
 use crate::metrics::plot::PANELS;
@@ -157,9 +158,13 @@ impl Follow {
         }
         while let Some(metrics) = lines(&mut self.tails.metrics, &mut self.warnings)? {
             for m in metrics {
-                // A step that goes backwards: the run was resumed from an earlier checkpoint.
-                if self.times.last().is_some_and(|&(last, _)| step_of(&m) <= last) {
-                    return Err(Rewritten.into());
+                let step = step_of(&m);
+                if self.times.last().is_some_and(|&(last, _)| step <= last) {
+                    // A step again (a run resumed without trimming the file): the later line
+                    // wins, as in `read_metrics`, and the page fetches the summary again.
+                    self.times.retain(|t| t.0 < step);
+                    self.series.values_mut().for_each(|points| points.retain(|p| p.0 < step));
+                    self.push("reset", json!({}));
                 }
                 self.metrics(&m);
             }
@@ -288,8 +293,8 @@ fn lines(tail: &mut Tail, warnings: &mut Vec<String>) -> Result<Option<Vec<Map<S
     }
 }
 
-/// What the follower read no longer describes the run (a file replaced or shortened, a step that
-/// went backwards, settings that came after the metrics): it starts over.
+/// What the follower read no longer describes the run (a file replaced or shortened, settings that
+/// came after the metrics): it starts over.
 #[derive(Debug)]
 struct Rewritten;
 
@@ -358,5 +363,13 @@ mod tests {
         assert_eq!(kinds(&f.since(&here).unwrap())[0], "reset");
         assert_eq!(f.series["rollout/reward_mean"], vec![(1, 0.5)]);
         assert_eq!(f.events.len(), 1, "events read again once");
+
+        // A step logged again in the same file: the later line wins.
+        let here = f.position();
+        append(&metrics, "{\"step\":2,\"time\":12.0,\"rollout/reward_mean\":0.7}\n{\"step\":1,\"time\":13.0,\"rollout/reward_mean\":0.1}\n");
+        assert!(f.poll().unwrap());
+        assert_eq!(kinds(&f.since(&here).unwrap()), vec!["metrics", "reset", "metrics"]);
+        assert_eq!(f.series["rollout/reward_mean"], vec![(1, 0.1)]);
+        assert_eq!(f.times, vec![(1, 13.0)]);
     }
 }
