@@ -634,6 +634,37 @@ fn dashboard_follows_a_training_run_live_in_headless_chromium() {
     train.wait().unwrap();
 }
 
+/// The figure in docs/observability.md: the live page's first paint (its first trajectory shown)
+/// on a large run, in chromium. Not part of the suite: point it at a run, e.g. one from
+/// `tools/synthetic_run.py`, with `RAGEN_LARGE_RUN=/tmp/synth-big cargo test --test viewer -- --ignored`.
+#[test]
+#[ignore]
+fn first_paint_on_a_large_run() {
+    let (Some(run), Some(exe)) = (std::env::var_os("RAGEN_LARGE_RUN"), find_chromium()) else {
+        panic!("set RAGEN_LARGE_RUN to a run directory, and install chromium");
+    };
+    let (mut child, addr) = view_serve(Path::new(&run));
+    let profile = tempfile::tempdir().unwrap();
+    let mut b = Browser::open(&exe, profile.path(), &format!("http://{addr}/"), (1280, 900));
+    let give_up = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let painted = loop {
+        let t = b.eval("document.querySelector('.traj') ? performance.now() : null");
+        if let Some(ms) = t.as_f64() {
+            break ms;
+        }
+        assert!(std::time::Instant::now() < give_up, "no trajectory shown");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    let bytes = b.eval(
+        "performance.getEntriesByType('navigation').concat(performance.getEntriesByType('resource'))\
+         .filter(e => !e.name.includes('/api/live')).reduce((n, e) => n + e.encodedBodySize, 0)",
+    );
+    eprintln!("first trajectory shown {painted:.0} ms after navigation; {bytes} bytes of bodies loaded");
+    drop(b);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
 #[test]
 fn plot_draws_two_runs_on_one_chart_with_alarms_and_writes_tensorboard() {
     let tmp = tempfile::tempdir().unwrap();
