@@ -303,8 +303,18 @@ fn http_get_as(addr: &str, path: &str, host: &str) -> (String, String) {
     (head, String::from_utf8(body).unwrap())
 }
 
-/// Starts `ragen-lab view RUN --serve 0`; returns the child and the address it listens on.
-fn view_serve(run: &Path) -> (std::process::Child, String) {
+/// A child process killed when the test lets go of it, passing or failing.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `ragen-lab view RUN --serve 0`; returns the server and the address it listens on.
+fn view_serve(run: &Path) -> (Killed, String) {
     let mut child = Command::new(BIN)
         .args(["view", run.to_str().unwrap(), "--serve", "0"])
         .stdout(Stdio::piped())
@@ -312,7 +322,7 @@ fn view_serve(run: &Path) -> (std::process::Child, String) {
         .spawn()
         .unwrap();
     let addr = address_from(child.stdout.take().unwrap());
-    (child, addr)
+    (Killed(child), addr)
 }
 
 /// The `host:port` of the first `http://host:port/` line a server prints.
@@ -337,7 +347,7 @@ fn view_serve_answers_the_dashboard_api_and_streams_new_steps() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("live");
     fixture_run(&run, 3, 100, 0.01);
-    let (mut child, addr) = view_serve(&run);
+    let (server, addr) = view_serve(&run);
     let (head, body) = http_get(&addr, "/");
     assert!(head.starts_with("HTTP/1.1 200") && head.contains("text/html"), "{head}");
     assert!(
@@ -406,8 +416,7 @@ fn view_serve_answers_the_dashboard_api_and_streams_new_steps() {
     let port = addr.rsplit(':').next().unwrap();
     let (head, _) = http_get_as(&addr, "/api/summary", &format!("localhost:{port}"));
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(server);
 }
 
 /// The bytes the live page fetches before it first paints: the page, the summary, the newest
@@ -434,10 +443,9 @@ fn first_page_load_is_under_a_tenth_of_the_rollouts_and_under_a_megabyte() {
     }
     let rollouts: u64 =
         std::fs::read_dir(run.join("rollouts")).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
-    let (mut child, addr) = view_serve(&run);
+    let (server, addr) = view_serve(&run);
     let first = first_load(&addr) as u64;
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(server);
     eprintln!(
         "first load {first} bytes of {rollouts} bytes of rollouts/ ({:.2}%)",
         100.0 * first as f64 / rollouts as f64
@@ -581,10 +589,11 @@ fn dashboard_follows_a_training_run_live_in_headless_chromium() {
         .spawn()
         .unwrap();
     let addr = address_from(train.stdout.take().unwrap());
+    let mut train = Killed(train);
     let metrics = project.path().join("runs/live/metrics.jsonl");
     let give_up = std::time::Instant::now() + std::time::Duration::from_secs(300);
     while std::fs::read_to_string(&metrics).map_or(true, |t| t.is_empty()) {
-        assert!(std::time::Instant::now() < give_up && train.try_wait().unwrap().is_none(), "no first step");
+        assert!(std::time::Instant::now() < give_up && train.0.try_wait().unwrap().is_none(), "no first step");
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
 
@@ -608,7 +617,7 @@ fn dashboard_follows_a_training_run_live_in_headless_chromium() {
         {
             break s;
         }
-        assert!(train.try_wait().unwrap().is_none(), "the run ended before the page saw two new steps: {s}");
+        assert!(train.0.try_wait().unwrap().is_none(), "the run ended before the page saw two new steps: {s}");
         assert!(std::time::Instant::now() < give_up, "gave up: {s}");
         std::thread::sleep(std::time::Duration::from_millis(200));
     };
@@ -629,9 +638,7 @@ fn dashboard_follows_a_training_run_live_in_headless_chromium() {
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard-live.png");
     std::fs::write(&path, png).unwrap();
     eprintln!("live screenshot: {}", path.display());
-    drop(b);
-    let _ = train.kill();
-    train.wait().unwrap();
+    drop((b, train));
 }
 
 /// The figure in docs/observability.md: the live page's first paint (its first trajectory shown)
@@ -643,7 +650,7 @@ fn first_paint_on_a_large_run() {
     let (Some(run), Some(exe)) = (std::env::var_os("RAGEN_LARGE_RUN"), find_chromium()) else {
         panic!("set RAGEN_LARGE_RUN to a run directory, and install chromium");
     };
-    let (mut child, addr) = view_serve(Path::new(&run));
+    let (server, addr) = view_serve(Path::new(&run));
     let profile = tempfile::tempdir().unwrap();
     let mut b = Browser::open(&exe, profile.path(), &format!("http://{addr}/"), (1280, 900));
     let give_up = std::time::Instant::now() + std::time::Duration::from_secs(120);
@@ -661,8 +668,7 @@ fn first_paint_on_a_large_run() {
     );
     eprintln!("first trajectory shown {painted:.0} ms after navigation; {bytes} bytes of bodies loaded");
     drop(b);
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(server);
 }
 
 #[test]
