@@ -10,7 +10,7 @@
 //! - [`starpo`]: settings, normalisation, filtering, advantages, losses, the update, the trainer
 //!   loop; eval and the supervised warm start.
 //! - [`metrics`]: metric keys, the run reader, Echo-Trap diagnostics, plots, TensorBoard.
-//! - [`view`]: the rollout viewer (a self-contained page, or served).
+//! - [`view`]: the dashboard of a run (an offline page, or served live).
 //! - [`serve`]: `ragen-lab serve`, an OpenAI-compatible server on the policy.
 //! - [`cli`]: one thin file per subcommand.
 //! - [`phase`], [`rng`]: per-thread clocks of a step's phases; the project's seeded generator.

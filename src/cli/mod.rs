@@ -51,7 +51,7 @@ pub enum Command {
     Bench(bench::Args),
     /// Draw a run's metrics (PNG and SVG), several runs on one chart.
     Plot(plot::Args),
-    /// Build (and optionally serve) the rollout viewer of a run.
+    /// The dashboard of a run: an offline page, or served live (--serve) while it trains.
     View(view::Args),
 }
 

@@ -64,6 +64,10 @@ pub struct Args {
     /// No progress bar (logs still go to the run directory).
     #[arg(long)]
     pub quiet: bool,
+    /// Also serve the run's live dashboard on http://127.0.0.1:PORT (0 = any free port), as
+    /// `ragen-lab view RUN --serve PORT` does from another process (which outlives the run).
+    #[arg(long, value_name = "PORT")]
+    pub serve: Option<u16>,
 }
 
 /// `YYYYMMDD-HHMMSS` in UTC (civil-from-days, Howard Hinnant's algorithm).
@@ -95,6 +99,23 @@ pub(crate) fn assignments(flags: &[String]) -> Result<Vec<(String, String)>> {
     flags.iter().map(|p| parse_assignment(p).map_err(anyhow::Error::msg)).collect()
 }
 
+/// Starts the dashboard server on a thread of its own (it only reads the run directory) and
+/// returns its address once it listens.
+fn serve_dashboard(dir: &Path, port: u16) -> Result<std::net::SocketAddr> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        let ready = tx.clone();
+        let served = crate::view::serve::serve(&dir, std::net::Ipv4Addr::LOCALHOST.into(), port, move |addr| {
+            let _ = ready.send(Ok(addr));
+        });
+        if let Err(e) = served {
+            let _ = tx.send(Err(e));
+        }
+    });
+    rx.recv().context("the dashboard server stopped before it listened")?
+}
+
 pub fn run(args: Args) -> Result<()> {
     let (experiment, model, run_dir, resume) = match &args.resume {
         Some(r) => {
@@ -121,6 +142,10 @@ pub fn run(args: Args) -> Result<()> {
             (exp, args.model.clone(), dir, false)
         }
     };
+    if let Some(port) = args.serve {
+        let addr = serve_dashboard(&run_dir, port)?;
+        println!("serving the dashboard of {} on http://{addr}/", run_dir.display());
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let presses = Arc::new(AtomicUsize::new(0));
     {

@@ -12,27 +12,101 @@ use std::path::{Path, PathBuf};
 
 /// One JSON object per line. Missing file → empty (a run that has not logged yet).
 pub fn read_jsonl(path: &Path) -> Result<Vec<Map<String, Value>>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(vec![]),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    let complete = text.ends_with('\n');
-    let lines: Vec<&str> = text.lines().collect();
-    let mut out = vec![];
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        match serde_json::from_str::<Value>(line) {
-            Ok(Value::Object(m)) => out.push(m),
-            // The trainer is mid-write: the next reload will have it.
-            Err(_) if i + 1 == lines.len() && !complete => {}
-            Ok(_) => bail!("{}:{}: expected a JSON object per line", path.display(), i + 1),
-            Err(e) => bail!("{}:{}: {e}", path.display(), i + 1),
+    let (mut tail, mut all) = (Tail::new(path), vec![]);
+    loop {
+        match tail.read()? {
+            Grown::Lines(lines) if lines.is_empty() => return Ok(all),
+            Grown::Lines(lines) => all.extend(lines),
+            // Replaced while we read it (a resumed run): read the new file.
+            Grown::Rewritten => (tail, all) = (Tail::new(path), vec![]),
         }
     }
-    Ok(out)
+}
+
+/// A JSONL file read as it grows, for a reader that follows a live run: each [`Tail::read`]
+/// returns complete lines appended since the last one, about [`Tail::CHUNK`] bytes at most (read
+/// again until it returns none to catch up). A last line without its newline is a
+/// write in progress and waits for the next read; any other bad line is an error naming the file
+/// and line (after the good lines before it were returned), and the next read goes on after it.
+#[derive(Debug)]
+pub struct Tail {
+    path: PathBuf,
+    /// Bytes consumed so far (whole lines).
+    offset: u64,
+    /// Lines consumed so far, for error messages.
+    line: usize,
+    /// The inode read from: a file replaced by rename (a resumed run rewrites metrics.jsonl)
+    /// gets another.
+    inode: Option<u64>,
+}
+
+/// What a [`Tail::read`] found.
+#[derive(Debug)]
+pub enum Grown {
+    Lines(Vec<Map<String, Value>>),
+    /// The file was replaced, shortened or removed since the last read: what was read before no
+    /// longer describes it, so the reader starts over (with a new tail).
+    Rewritten,
+}
+
+impl Tail {
+    /// Bytes of lines one read returns at most (a longer line comes whole).
+    pub const CHUNK: usize = 1 << 20;
+
+    pub fn new(path: &Path) -> Tail {
+        Tail { path: path.to_path_buf(), offset: 0, line: 0, inode: None }
+    }
+
+    pub fn read(&mut self) -> Result<Grown> {
+        use std::io::{BufRead, Seek, SeekFrom};
+        use std::os::unix::fs::MetadataExt;
+        let mut file = match std::fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(if self.offset > 0 { Grown::Rewritten } else { Grown::Lines(vec![]) });
+            }
+            Err(e) => return Err(e).with_context(|| format!("reading {}", self.path.display())),
+        };
+        let meta = file.metadata().with_context(|| format!("reading {}", self.path.display()))?;
+        if self.inode.is_some_and(|i| i != meta.ino()) || meta.len() < self.offset {
+            return Ok(Grown::Rewritten);
+        }
+        self.inode = Some(meta.ino());
+        file.seek(SeekFrom::Start(self.offset)).with_context(|| format!("reading {}", self.path.display()))?;
+        let mut reader = std::io::BufReader::new(file);
+        let (mut out, mut consumed, mut raw) = (vec![], 0, vec![]);
+        // Line by line up to a budget, so catching up on a long run holds a chunk, not the file.
+        while consumed < Tail::CHUNK {
+            raw.clear();
+            if reader.read_until(b'\n', &mut raw).with_context(|| format!("reading {}", self.path.display()))? == 0 {
+                break;
+            }
+            let ended = raw.ends_with(b"\n");
+            let text = raw.strip_suffix(b"\n").unwrap_or(&raw);
+            if text.iter().all(u8::is_ascii_whitespace) {
+                consumed += if ended { raw.len() } else { 0 };
+                self.line += usize::from(ended);
+                continue;
+            }
+            match serde_json::from_slice::<Value>(text) {
+                Ok(Value::Object(m)) => out.push(m),
+                // The trainer is mid-write: the next read will have it.
+                Err(_) if !ended => break,
+                // Return the good lines first; the next read reports this one.
+                _ if !out.is_empty() => break,
+                bad => {
+                    self.offset += (consumed + raw.len()) as u64;
+                    self.line += 1;
+                    let why = bad.map_or_else(|e| e.to_string(), |_| "expected a JSON object per line".into());
+                    bail!("{}:{}: {why}", self.path.display(), self.line);
+                }
+            }
+            consumed += raw.len();
+            self.line += 1;
+        }
+        self.offset += consumed as u64;
+        Ok(Grown::Lines(out))
+    }
 }
 
 /// `metrics.jsonl`, sorted by step (a resumed run may repeat steps: the later line wins).
@@ -97,13 +171,7 @@ pub struct Run {
 impl Run {
     /// Reads `dir`; fails if it does not look like a run directory at all.
     pub fn open(dir: &Path) -> Result<Run> {
-        if !dir.is_dir() {
-            bail!("{}: no such run directory (expected runs/<name>/ from `ragen-lab train`)", dir.display());
-        }
-        let has_any = ["metrics.jsonl", "settings.json", "rollouts"].iter().any(|f| dir.join(f).exists());
-        if !has_any {
-            bail!("{}: not a run directory (no metrics.jsonl, settings.json or rollouts/)", dir.display());
-        }
+        check_dir(dir)?;
         let settings = match std::fs::read_to_string(dir.join("settings.json")) {
             Ok(t) => Some(
                 serde_json::from_str(&t).with_context(|| format!("parsing {}", dir.join("settings.json").display()))?,
@@ -133,6 +201,18 @@ impl Run {
     }
 }
 
+/// Fails if `dir` does not look like a run directory at all.
+pub fn check_dir(dir: &Path) -> Result<()> {
+    if !dir.is_dir() {
+        bail!("{}: no such run directory (expected runs/<name>/ from `ragen-lab train`)", dir.display());
+    }
+    let has_any = ["metrics.jsonl", "settings.json", "rollouts"].iter().any(|f| dir.join(f).exists());
+    if !has_any {
+        bail!("{}: not a run directory (no metrics.jsonl, settings.json or rollouts/)", dir.display());
+    }
+    Ok(())
+}
+
 /// Validation results may come only as `validation` events (with their `val/…` numbers, at step 0
 /// before training too): fold those numbers into the metrics line of their step, adding a line
 /// where the step has none, so plots and the viewer find `val/success` either way.
@@ -160,7 +240,7 @@ fn merge_validation(metrics: &mut Vec<Map<String, Value>>, events: &[Map<String,
 }
 
 /// The run's own `echo` thresholds when settings.json has them, else the defaults.
-fn echo_settings(settings: Option<&Value>) -> EchoSettings {
+pub fn echo_settings(settings: Option<&Value>) -> EchoSettings {
     settings
         .and_then(|s| s.get("echo").or_else(|| s.get("settings").and_then(|s| s.get("echo"))))
         .and_then(|e| serde_json::from_value(e.clone()).ok())
@@ -247,6 +327,28 @@ mod tests {
         let p = dir.path().join("metrics.jsonl");
         std::fs::write(&p, "{\"step\":1,\"a\":0}\n{\"step\":2,\"a\":1}\n{\"step\":2,\"a\":5}\n").unwrap();
         assert_eq!(series(&read_metrics(&p).unwrap(), "a"), vec![(1, 0.0), (2, 5.0)]);
+    }
+
+    #[test]
+    fn a_tail_returns_each_complete_line_once_and_sees_a_rewrite() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("events.jsonl");
+        let mut tail = Tail::new(&p);
+        assert!(matches!(tail.read().unwrap(), Grown::Lines(l) if l.is_empty()), "missing file: nothing yet");
+        std::fs::write(&p, "{\"step\":1}\n{\"step\":2,\"a\"").unwrap();
+        let steps = |g: Grown| match g {
+            Grown::Lines(l) => l.iter().map(step_of).collect::<Vec<_>>(),
+            Grown::Rewritten => panic!("not rewritten"),
+        };
+        assert_eq!(steps(tail.read().unwrap()), vec![1]);
+        std::fs::OpenOptions::new().append(true).open(&p).unwrap().write_all(b":0}\n{\"step\":3}\n").unwrap();
+        assert_eq!(steps(tail.read().unwrap()), vec![2, 3]);
+        assert_eq!(steps(tail.read().unwrap()), Vec::<u64>::new());
+        // A resumed run replaces metrics.jsonl by rename.
+        std::fs::write(dir.path().join("new"), "{\"step\":1}\n{\"step\":2}\n{\"step\":3}\n{\"step\":4}\n").unwrap();
+        std::fs::rename(dir.path().join("new"), &p).unwrap();
+        assert!(matches!(tail.read().unwrap(), Grown::Rewritten));
     }
 
     #[test]

@@ -1,58 +1,110 @@
-//! `ragen-lab view --serve`: a small HTTP server (tiny_http) for following a live run. `/`
-//! rebuilds the viewer page from the run directory on every request (so a reload shows new
-//! steps), `/data.json` is the same data alone, and any other path is a file under the run
-//! directory (plots, rollouts, metrics). GET only.
+//! `ragen-lab view --serve` (and `train --serve`): a small HTTP server (tiny_http) for the live
+//! dashboard. It only reads the run directory, in its own threads (a second process under `view`),
+//! so it can neither slow nor stop training. GET only:
 //!
-//! Several requests are served at once (a browser's idle pre-connection does not stall the
-//! others). It binds 127.0.0.1 unless told otherwise, and answers only requests whose `Host` is
+//! - `/` the page (no data embedded: it fetches the summary);
+//! - `/api/summary` what the page draws first ([`super::summary`]);
+//! - `/api/live?since=POS` the updates after POS (the summary's `seq`) as server-sent events, as
+//!   they are written (`Last-Event-ID` on a reconnect wins over `since`; a position this server
+//!   cannot continue from gets `reset`, and the page fetches the summary again);
+//! - `/api/steps?before=STEP&limit=N` rows of the steps table; `/api/events?before=I&limit=N` older
+//!   events; `/api/step?step=S&val=0|1` one row per episode of a step; `/api/trajectories?step=S&val=0|1&at=0,1,2`
+//!   full trajectories by line; `/api/diff?old=HASH&new=HASH` two script versions' line diff;
+//! - any other path: a file under the run directory (plots, rollouts, metrics).
+//!
+//! Server-sent events on tiny_http: the event stream is a plain HTTP/1.1 answer written by hand on
+//! the connection's writer (tiny_http would buffer a body read from a `Read` until it ends), one
+//! thread per open page, at most [`MAX_STREAMS`]. One thread polls the run directory
+//! ([`super::follow`]) every [`POLL`] and wakes the streams.
+//!
+//! It binds 127.0.0.1 unless told otherwise, and answers only requests whose `Host` is
 //! `localhost` or an IP address: a page on another site that rebinds its own domain name to
 //! 127.0.0.1 (DNS rebinding) sends its domain as the Host and gets 403, so it cannot read the run.
-use crate::metrics::run::Run;
+use super::follow::Follow;
 use anyhow::{anyhow, Result};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Component, Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 use tiny_http::{Header, Method, Request, Response, Server};
 
-/// Requests served at once.
+/// Requests served at once (event streams have threads of their own).
 const WORKERS: usize = 4;
+/// Open event streams at most; a further page is told to retry later (503).
+pub const MAX_STREAMS: usize = 32;
+/// How often the run directory is read for new lines.
+pub const POLL: Duration = Duration::from_millis(500);
+/// A stream with nothing to say sends a comment this often, so a closed page is noticed.
+const HEARTBEAT: Duration = Duration::from_secs(15);
 
-/// Binds `ip`:`port` (port 0 = any free one), calls `ready` with the address, then serves forever.
+/// The follower and the condition its pollers wait on.
+struct Shared {
+    follow: Mutex<Follow>,
+    changed: Condvar,
+    streams: AtomicUsize,
+}
+
+/// Binds `ip`:`port` (port 0 = any free one), reads the run, calls `ready` with the address,
+/// then serves forever. The run directory need not exist yet (`train --serve` starts first).
 pub fn serve(dir: &Path, ip: IpAddr, port: u16, ready: impl FnOnce(SocketAddr)) -> Result<()> {
     let server = Server::http((ip, port))
         .map_err(|e| anyhow!("cannot listen on {ip}:{port} ({e}); in use? pick another --serve PORT"))?;
     let addr = server.server_addr().to_ip().ok_or_else(|| anyhow!("listening on {ip}:{port}: no IP address"))?;
+    let mut follow = Follow::new(dir);
+    follow.poll()?;
+    let shared = Arc::new(Shared { follow: Mutex::new(follow), changed: Condvar::new(), streams: AtomicUsize::new(0) });
+    {
+        let shared = shared.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(POLL);
+            let mut f = shared.follow.lock().expect("follower lock");
+            // A read error (a file being replaced) is retried at the next poll.
+            if f.poll().unwrap_or(false) {
+                shared.changed.notify_all();
+            }
+        });
+    }
     ready(addr);
     let server = Arc::new(server);
     let workers: Vec<_> = (1..WORKERS)
         .map(|_| {
-            let (server, dir) = (server.clone(), dir.to_path_buf());
-            std::thread::spawn(move || serve_requests(&server, &dir, addr.port()))
+            let (server, shared) = (server.clone(), shared.clone());
+            std::thread::spawn(move || serve_requests(&server, &shared, addr.port()))
         })
         .collect();
-    serve_requests(&server, dir, addr.port());
+    serve_requests(&server, &shared, addr.port());
     for w in workers {
         let _ = w.join();
     }
     Ok(())
 }
 
-fn serve_requests(server: &Server, dir: &Path, port: u16) {
+fn serve_requests(server: &Server, shared: &Arc<Shared>, port: u16) {
     for request in server.incoming_requests() {
         // A client that hangs up mid-answer is its own problem; keep serving.
-        let _ = answer(dir, port, request);
+        let _ = answer(shared, port, request);
     }
 }
 
-fn answer(dir: &Path, port: u16, request: Request) -> std::io::Result<()> {
-    let host = request.headers().iter().find(|h| h.field.equiv("Host")).map(|h| h.value.as_str().to_string());
-    let (status, kind, body) = if !host.as_deref().is_some_and(|h| host_allowed(h, port)) {
+fn answer(shared: &Arc<Shared>, port: u16, request: Request) -> std::io::Result<()> {
+    let header = |name: &'static str| {
+        request.headers().iter().find(|h| h.field.equiv(name)).map(|h| h.value.as_str().to_string())
+    };
+    let (path, query) = request.url().split_once('?').unwrap_or((request.url(), ""));
+    let (path, query) = (path.to_string(), params(query));
+    let (status, kind, body) = if !header("Host").as_deref().is_some_and(|h| host_allowed(h, port)) {
         (403, "text/plain", b"forbidden: the Host header must be localhost or an IP address\n".to_vec())
     } else if *request.method() != Method::Get {
         (405, "text/plain", b"only GET\n".to_vec())
+    } else if path == "/api/live" {
+        let since = header("Last-Event-ID").or_else(|| query.get("since").cloned()).unwrap_or_default();
+        return stream(shared.clone(), request, since);
     } else {
-        let path = request.url().split(['?', '#']).next().unwrap_or("/").to_string();
-        respond(dir, &path)
+        respond(shared, &path, &query)
     };
     let header = |k: &str, v: &str| Header::from_bytes(k.as_bytes(), v.as_bytes()).expect("ASCII header");
     let response = Response::from_data(body)
@@ -60,6 +112,63 @@ fn answer(dir: &Path, port: u16, request: Request) -> std::io::Result<()> {
         .with_header(header("Content-Type", kind))
         .with_header(header("Cache-Control", "no-store"));
     request.respond(response)
+}
+
+/// Sends the updates after `since` as server-sent events, then each new one as it comes, on a
+/// thread of its own until the page goes away.
+fn stream(shared: Arc<Shared>, request: Request, since: String) -> std::io::Result<()> {
+    if shared.streams.fetch_add(1, Ordering::SeqCst) >= MAX_STREAMS {
+        shared.streams.fetch_sub(1, Ordering::SeqCst);
+        let busy = Response::from_string("too many open dashboards\n").with_status_code(503);
+        return request.respond(busy);
+    }
+    std::thread::spawn(move || {
+        let mut out = request.into_writer();
+        let _ = send_updates(&shared, &mut out, since);
+        shared.streams.fetch_sub(1, Ordering::SeqCst);
+    });
+    Ok(())
+}
+
+fn send_updates(shared: &Shared, out: &mut dyn Write, mut since: String) -> std::io::Result<()> {
+    out.write_all(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-store\r\nConnection: close\r\n\r\nretry: 2000\n\n",
+    )?;
+    out.flush()?;
+    let mut f = shared.follow.lock().expect("follower lock");
+    loop {
+        let mut text = String::new();
+        match f.since(&since) {
+            Some(updates) => {
+                for u in updates {
+                    text += &format!("id: {}\nevent: {}\ndata: {}\n\n", f.id(u.seq), u.kind, u.data);
+                }
+            }
+            // Too far behind, or another server's numbers: the page fetches everything again.
+            None => text += &format!("id: {}\nevent: reset\ndata: {{}}\n\n", f.position()),
+        }
+        since = f.position();
+        drop(f);
+        out.write_all(if text.is_empty() { b": still here\n\n" } else { text.as_bytes() })?;
+        out.flush()?;
+        f = shared.follow.lock().expect("follower lock");
+        if f.position() == since {
+            f = shared.changed.wait_timeout(f, HEARTBEAT).expect("follower lock").0;
+        }
+    }
+}
+
+fn dir_of(shared: &Shared) -> PathBuf {
+    shared.follow.lock().expect("follower lock").dir.clone()
+}
+
+fn params(query: &str) -> HashMap<String, String> {
+    query
+        .split('&')
+        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_string(), percent_decode(v).unwrap_or_default()))
+        .collect()
 }
 
 /// Whether a request's `Host` names this server without a domain name: `localhost` or an IP
@@ -77,21 +186,46 @@ pub fn host_allowed(host: &str, port: u16) -> bool {
     name.eq_ignore_ascii_case("localhost") || bare.parse::<IpAddr>().is_ok()
 }
 
-fn respond(dir: &Path, path: &str) -> (u16, &'static str, Vec<u8>) {
-    let rebuilt = |f: fn(&serde_json::Value) -> Vec<u8>| match Run::open(dir).and_then(|r| super::data(&r)) {
-        Ok(d) => (200, f(&d)),
-        Err(e) => (500, format!("ragen-lab view: {e:#}\n").into_bytes()),
+fn respond(shared: &Shared, path: &str, query: &HashMap<String, String>) -> (u16, &'static str, Vec<u8>) {
+    let json_body = |r: Result<Value>| match r {
+        Ok(v) => (200, "application/json", serde_json::to_vec(&v).unwrap_or_default()),
+        Err(e) => (400, "text/plain", format!("ragen-lab view: {e:#}\n").into_bytes()),
     };
+    let num = |k: &str| query.get(k).and_then(|v| v.parse::<u64>().ok());
+    let f = || shared.follow.lock().expect("follower lock");
     match path {
         "/" | "/index.html" | "/view/index.html" => {
-            let (status, body) = rebuilt(|d| super::page(d).into_bytes());
-            (status, if status == 200 { "text/html; charset=utf-8" } else { "text/plain" }, body)
+            (200, "text/html; charset=utf-8", super::page(&Value::Null).into_bytes())
         }
-        "/data.json" => {
-            let (status, body) = rebuilt(|d| serde_json::to_vec(d).unwrap_or_default());
-            (status, "application/json", body)
+        "/api/summary" => json_body(Ok(super::summary(&f()))),
+        "/api/steps" => json_body(Ok(super::step_rows(&f(), num("before"), num("limit").unwrap_or(50) as usize))),
+        "/api/events" => {
+            let f = f();
+            let end = num("before").map_or(f.events.len(), |b| (b as usize).min(f.events.len()));
+            let start = end.saturating_sub(num("limit").unwrap_or(200) as usize);
+            json_body(Ok(json!({"start": start, "events": &f.events[start..end]})))
         }
-        _ => match file_under(dir, path) {
+        "/api/step" | "/api/trajectories" => {
+            let validation = query.get("val").is_some_and(|v| v == "1");
+            let file = num("step").and_then(|s| {
+                f().rollouts.iter().find(|r| r.step == s && r.validation == validation).map(|r| r.path.clone())
+            });
+            let Some(file) = file else { return (404, "text/plain", b"no rollouts for that step\n".to_vec()) };
+            if path == "/api/step" {
+                json_body(
+                    crate::metrics::run::read_jsonl(&file).map(|l| json!({"episodes": super::step::episodes(&l)})),
+                )
+            } else {
+                let at: Vec<usize> =
+                    query.get("at").map_or(vec![], |a| a.split(',').filter_map(|i| i.parse().ok()).collect());
+                json_body(super::step::trajectories(&file, &at).map(Value::from))
+            }
+        }
+        "/api/diff" => {
+            let Some(new) = query.get("new") else { return (400, "text/plain", b"diff needs new=HASH\n".to_vec()) };
+            json_body(super::diff_json(&dir_of(shared), query.get("old").map(String::as_str), new))
+        }
+        _ => match file_under(&dir_of(shared), path) {
             Some(p) => match std::fs::read(&p) {
                 Ok(b) => (200, content_type(&p), b),
                 Err(_) => (404, "text/plain", b"not found\n".to_vec()),
