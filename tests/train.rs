@@ -466,16 +466,19 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
         "fn shape(turn, reward) {",
         "fn shape(turn, reward) {\n    if !(turn.response.contains(\"Up\") || turn.response.contains(\"Jump\") || turn.response == \"no tags\") { return parse_float(\"NaN\"); }",
     );
-    wait_for(&mut child, "the reward's script error", || errors().len() == 1);
+    // A reward edit is tried on the last step's turns before it is swapped in: refused there.
+    let refusals =
+        || jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "reload_error").collect::<Vec<_>>();
+    wait_for(&mut child, "the reward's refusal", || refusals().len() == 1);
     edit("envs/bandit.rhai", "fn reset(seed, params) {", "fn reset(seed, params) {\n    if seed != 0 { loop { } }");
-    wait_for(&mut child, "the env's script error", || errors().len() == 2);
+    wait_for(&mut child, "the env's script error", || errors().len() == 1);
     edit(
         "prompts/ragen.rhai",
         "fn user(info, turn) {",
         "fn user(info, turn) {\n    if turn.obs != \"P_G\" { let s = \"ab\"; loop { s += s; } }",
     );
-    wait_for(&mut child, "the prompt's script error", || errors().len() == 3);
-    let last_error = errors()[2]["step"].as_u64().unwrap();
+    wait_for(&mut child, "the prompt's script error", || errors().len() == 2);
+    let last_error = errors()[1]["step"].as_u64().unwrap();
     let rollouts_of = |step: u64| run.join(format!("rollouts/step-{step:06}.jsonl"));
     wait_for(&mut child, "the step after the last rollback", || rollouts_of(last_error + 1).exists());
     wait_for(&mut child, "its checkpoint", || latest(&run).is_some_and(|l| l >= format!("step-{:06}", last_error + 1)));
@@ -488,8 +491,15 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
         let text = fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap();
         text.lines().position(|l| l.starts_with(&format!("fn {f}("))).unwrap() as u64 + 1
     };
+    let refused = &refusals()[0];
+    let reward_line = line_of("rewards/format_penalty.rhai", "shape");
+    assert_eq!(
+        (refused["path"].as_str(), refused["line"].as_u64()),
+        (Some("rewards/format_penalty.rhai"), Some(reward_line))
+    );
+    assert_eq!(refused["error"], "contract", "{refused}");
+    assert!(refused["message"].as_str().unwrap().contains("recorded turns"), "{refused}");
     let expect = [
-        ("rewards/format_penalty.rhai", line_of("rewards/format_penalty.rhai", "shape"), ["contract", "contract"]),
         ("envs/bandit.rhai", line_of("envs/bandit.rhai", "reset"), ["operations", "timeout"]),
         ("prompts/ragen.rhai", line_of("prompts/ragen.rhai", "user"), ["size", "size"]),
     ];
@@ -501,13 +511,12 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
         let message = e["message"].as_str().unwrap();
         assert!(message.starts_with(&format!("{path}:{line}:")) && message.contains("rolled back to version"), "{e}");
     }
-    let role_of = ["reward", "env", "prompt"];
     let versions = |step: u64| jsonl(&rollouts_of(step))[0]["versions"].clone();
-    for (e, role) in errors.iter().zip(role_of) {
-        let used = versions(last_error + 1);
-        let used = if role == "reward" { used["rewards"][0].clone() } else { used[role].clone() };
+    for (e, role) in errors.iter().zip(["env", "prompt"]) {
+        let used = versions(last_error + 1)[role].clone();
         assert_eq!(used, e["restored"], "the {role} in use after the rollback is the restored version");
     }
+    assert_ne!(versions(last_error + 1)["rewards"][0], refused["version"], "the refused reward was never used");
 
     // Resume with the broken files still on disk: the last good versions are kept, and said so.
     let saved: u64 = latest(&run).unwrap().trim_start_matches("step-").parse().unwrap();
@@ -515,9 +524,9 @@ fn hostile_live_edits_roll_back_and_are_recorded() {
     assert_eq!(*steps_of(&run).last().unwrap(), saved + 1);
     let notes: Vec<Value> =
         jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "reload_error").collect();
-    assert_eq!(notes.len(), 3, "one note per script not resumed: {notes:?}");
+    assert_eq!(notes.len(), 1 + 3, "the refusal, then one note per script not resumed: {notes:?}");
     assert!(
-        jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "script_error").count() == 3,
+        jsonl(&run.join("events.jsonl")).iter().filter(|e| e["kind"] == "script_error").count() == 2,
         "no new failures after resume"
     );
 }

@@ -186,7 +186,8 @@ impl RunDir {
     }
 
     /// The scripts to resume `exp` with: each as on disk now, unless that version failed during
-    /// this run (a `script_error` event names it) or no longer loads, in which case the version
+    /// this run or was refused (a `script_error` or `reload_error` event names it) or no longer
+    /// loads, in which case the version
     /// last recorded for it in scripts/ (what the run was using). Returns notes on what was kept.
     pub fn resume_scripts(
         path: &Path,
@@ -195,7 +196,8 @@ impl RunDir {
     ) -> Result<(ExperimentScripts, Vec<String>)> {
         let failed: HashSet<String> = read_jsonl(&path.join("events.jsonl"))?
             .into_iter()
-            .filter(|e| e["kind"] == "script_error")
+            // Failed on real turns (`script_error`), or refused before it was used (`reload_error`).
+            .filter(|e| e["kind"] == "script_error" || e["kind"] == "reload_error")
             .filter_map(|e| e["version"].as_str().map(str::to_string))
             .collect();
         let index = read_jsonl(&path.join("scripts/index.jsonl"))?;

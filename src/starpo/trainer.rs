@@ -308,7 +308,8 @@ impl<'o> Trainer<'o> {
                 Update::Swapped { path, loaded, .. } => {
                     if let Loaded::Reward(r) = &loaded {
                         if let Err(error) = self.preview(step, r) {
-                            let msg = format!("{error} (on the last step's recorded turns); keeping the previous version");
+                            let msg =
+                                format!("{error} (on the last step's recorded turns); keeping the previous version");
                             self.bar.println(format!("step {step}: reload error: {msg}"));
                             self.run.event(step, "reload_error", &msg, error.fields())?;
                             continue;
