@@ -187,8 +187,8 @@ impl RunDir {
 
     /// The scripts to resume `exp` with: each as on disk now, unless that version failed during
     /// this run or was refused (a `script_error` or `reload_error` event names it) or no longer
-    /// loads, in which case the version
-    /// last recorded for it in scripts/ (what the run was using). Returns notes on what was kept.
+    /// loads, in which case the version last recorded for it in scripts/ (what the run was using).
+    /// Returns notes on what was kept.
     pub fn resume_scripts(
         path: &Path,
         host: &std::sync::Arc<Host>,
