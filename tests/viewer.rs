@@ -123,8 +123,10 @@ fn fixture_run(run: &Path, steps: u64, cliff_at: u64, lift: f64) {
     }
     events.push(json!({"step": 10, "time": 1_767_000_076.0, "kind": "validation", "message": "val success 0.25"}));
     // The shape of part 3's preview is not settled: the page shows whatever fields it has.
-    events.push(json!({"step": 12, "time": 1_767_000_090.0, "kind": "reward_preview", "path": "rewards/format_penalty.rhai",
-        "message": "rewards/format_penalty.rhai: mean 0.41 -> 0.37 on step 11", "mean_old": 0.41, "mean_new": 0.37, "sign_flips": 1}));
+    events.push(json!({"step": 12, "time": 1_767_000_090.0, "kind": "reward_preview", "script": "rewards/format_penalty.rhai",
+        "message": "reward preview of rewards/format_penalty.rhai on step 11's 8 trajectories: mean score 0.410 → 0.370, 3 changed, advantages change sign in 1 of 2 groups",
+        "version": "9f2c1e0a7b3d5566", "on_step": 11, "trajectories": 8, "score_old": 0.41, "score_new": 0.37, "success": 0.25,
+        "changed": 3, "groups": 2, "groups_flipped": 1, "moved": [{"group": 0, "episode": 1, "old": 0.9, "new": 0.5}]}));
     write_jsonl(&run.join("events.jsonl"), &events);
     for s in 1..=steps {
         rollout_file(run, s, false);
