@@ -225,7 +225,7 @@ fn offline_dashboard_shows_every_view_in_headless_chromium() {
     assert!(dom.contains("since step 18"), "variance cliff alarm missing");
     assert!(dom.contains("gradient norm 14.0000"), "recorded alarm message missing");
     // Events, and a reward preview's fields in their panel.
-    assert!(dom.contains("Reward preview at step 12") && dom.contains("sign_flips"), "reward preview missing");
+    assert!(dom.contains("Reward preview at step 12") && dom.contains("groups_flipped"), "reward preview missing");
     assert!(dom.contains("envs/sokoban.rhai a1b2c3d4 -&gt; 9f8e7d6c"), "swap event missing");
     assert!(dom.contains("offline copy (31 of 31 steps"), "offline note missing");
 
