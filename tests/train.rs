@@ -61,6 +61,19 @@ fn run_ok(mut c: Command) -> String {
 
 /// The complete lines of a JSONL file that a running trainer may be appending to (a last line
 /// without its newline is still being written).
+/// `ragen-lab train` on the bandit experiment in the background, writing `runs/NAME` for `steps`
+/// steps (a test kills it when it has seen what it waits for).
+fn spawn_bandit(project: &Path, name: &str, steps: u32) -> Child {
+    let (steps, dir) = (steps.to_string(), format!("runs/{name}"));
+    let mut c = train(project, &["--env", "scripts/bandit.rhai", "--steps", &steps, "--run-dir", &dir]);
+    c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
+}
+
+/// The run's events of one kind.
+fn events_of(run: &Path, kind: &str) -> Vec<Value> {
+    jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect()
+}
+
 fn jsonl(path: &Path) -> Vec<Value> {
     let text = fs::read_to_string(path).unwrap_or_default();
     let complete = text.rfind('\n').map_or("", |i| &text[..i]);
@@ -180,11 +193,7 @@ fn train_bandit_two_steps_writes_a_resumable_run_dir() {
 fn a_killed_run_resumes_from_its_checkpoint_to_the_same_state() {
     let p = project();
     let killed = p.path().join("runs/killed");
-    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "50", "--run-dir", "runs/killed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_bandit(p.path(), "killed", 50);
     wait_for(&mut child, "the first checkpoint", || latest(&killed).is_some());
     child.kill().unwrap();
     child.wait().unwrap();
@@ -212,13 +221,8 @@ fn an_env_edit_during_training_is_swapped_in_and_a_broken_edit_is_reported() {
     let run = p.path().join("runs/live");
     let env = p.path().join("envs/bandit.rhai");
     let original = fs::read_to_string(&env).unwrap();
-    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "40", "--run-dir", "runs/live"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let events =
-        |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
+    let mut child = spawn_bandit(p.path(), "live", 40);
+    let events = |kind: &str| events_of(&run, kind);
 
     wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
     fs::write(&env, original.replace("lo_payout: 0.1", "lo_payout: 0.05")).unwrap();
@@ -446,13 +450,8 @@ fn the_empty_filter_early_stop_ends_the_run_with_its_numbers() {
 fn hostile_live_edits_roll_back_and_are_recorded() {
     let p = project();
     let run = p.path().join("runs/hostile");
-    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "60", "--run-dir", "runs/hostile"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let errors =
-        || jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == "script_error").collect::<Vec<_>>();
+    let mut child = spawn_bandit(p.path(), "hostile", 60);
+    let errors = || events_of(&run, "script_error");
     wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
     let edit = |file: &str, from: &str, to: &str| {
         let path = p.path().join(file);
@@ -748,13 +747,8 @@ fn a_reward_edit_is_previewed_on_the_last_step_then_swapped_in() {
     let run = p.path().join("runs/preview");
     let reward = p.path().join("rewards/format_penalty.rhai");
     let original = fs::read_to_string(&reward).unwrap();
-    let mut child = train(p.path(), &["--env", "scripts/bandit.rhai", "--steps", "40", "--run-dir", "runs/preview"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let events =
-        |kind: &str| jsonl(&run.join("events.jsonl")).into_iter().filter(|e| e["kind"] == kind).collect::<Vec<_>>();
+    let mut child = spawn_bandit(p.path(), "preview", 40);
+    let events = |kind: &str| events_of(&run, kind);
     wait_for(&mut child, "step 1", || !steps_of(&run).is_empty());
     // Pays 0.5 more for a turn whose first action is Dragon (the format penalty kept).
     let bonus = "\nfn shape(turn, reward) { let r = penalty(turn, reward); if turn.actions.len() > 0 && turn.actions[0] == \"Dragon\" { r + 0.5 } else { r } }\n";
