@@ -58,7 +58,7 @@ impl Credit {
                     FilterMetric::Entropy | FilterMetric::EntropyVariance => entropies()?,
                     _ => Vec::new(),
                 };
-                let lengths: Vec<f64> = trajs.iter().map(|t| trained_tokens(t) as f64).collect();
+                let lengths: Vec<f64> = trajs.iter().map(|t| t.packed.assistant_tokens() as f64).collect();
                 group_metric(m, &scores, &entropies, &lengths, &members)
             }
         };
@@ -131,10 +131,6 @@ impl Credit {
     }
 }
 
-fn trained_tokens(t: &Trajectory) -> usize {
-    t.packed.mask.iter().filter(|&&m| m).count()
-}
-
 /// Each trajectory's factor on its advantages: the kept share of groups
 /// (`filter_loss_scaling`), and for GRPO its group's std over the largest kept group's
 /// (`soft_advantage_reweight`, a lone member's std taken as 1 as GRPO does) and its trained-token
@@ -165,8 +161,9 @@ fn adv_scales(
     }
     if sp.grpo_length_weight {
         let kept: Vec<usize> = kept_groups.iter().flat_map(|&g| members[g].iter().copied()).collect();
-        let mean = kept.iter().map(|&i| trained_tokens(&trajs[i]) as f64).sum::<f64>() / kept.len().max(1) as f64;
-        kept.iter().for_each(|&i| out[i] /= (trained_tokens(&trajs[i]) as f64 + 1e-6) / mean.max(1e-6));
+        let mean =
+            kept.iter().map(|&i| trajs[i].packed.assistant_tokens() as f64).sum::<f64>() / kept.len().max(1) as f64;
+        kept.iter().for_each(|&i| out[i] /= (trajs[i].packed.assistant_tokens() as f64 + 1e-6) / mean.max(1e-6));
     }
     out
 }
