@@ -9,7 +9,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::Optimizer;
 use ragen_lab::policy::model::{KvCache, Mode};
-use ragen_lab::policy::{preset, Critic, Finish, GenerationConfig, Message, ModelLocation, Policy, TokenBatch};
+use ragen_lab::policy::{
+    preset, Critic, Finish, GenerationConfig, Message, ModelLocation, Policy, Temperature, TokenBatch,
+};
 use ragen_lab::rng::Rng;
 
 const PRESETS: [&str; 2] = ["tiny-llama", "tiny-qwen2"];
@@ -760,6 +762,66 @@ fn a_turn_that_resumes_the_last_one_generates_what_a_full_prefill_does() {
             for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
                 assert!((x - y).abs() < 1e-4, "{name} row {i}: log-prob {x} vs {y}");
             }
+        }
+    }
+}
+
+/// A batch tempered at t scores each position under softmax(logits / t), the distribution a
+/// sampler at temperature t drew from, in the no-graph pass and in the training pass alike.
+#[test]
+fn tempered_batches_score_the_distribution_the_sampler_drew_from() {
+    let p = load("tiny-llama");
+    let ids = chat(&p, "Go or Stop?");
+    for t in [0.5f32, 2.0] {
+        let batch = TokenBatch::new(std::slice::from_ref(&ids), p.pad_id)
+            .unwrap()
+            .tempered(Temperature { text: t, answer: 1.0 });
+        let lp = p.token_logprobs_no_grad(&batch).unwrap().logprobs.to_vec2::<f32>().unwrap();
+        let trained = p.token_logprobs(&batch).unwrap().logprobs.to_vec2::<f32>().unwrap();
+        for pos in [1, ids.len() / 2, ids.len() - 1] {
+            let z: Vec<f64> = logits_of(&p, &ids[..pos]).iter().map(|&x| x as f64 / t as f64).collect();
+            let lse = z.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+            let lse = lse + z.iter().map(|&x| (x - lse).exp()).sum::<f64>().ln();
+            let want = (z[ids[pos] as usize] - lse) as f32;
+            assert!((lp[0][pos] - want).abs() < 1e-4, "t {t} at {pos}: {} vs {want}", lp[0][pos]);
+            assert!((trained[0][pos] - want).abs() < 1e-4, "t {t} at {pos} (training pass)");
+        }
+    }
+}
+
+/// `answer_temperature` tempers only the draws among several allowed tokens: a constrained
+/// answer's first token is drawn from softmax(logits / t) over the allowed set, and its
+/// reported log-prob is of that distribution (what a `Temperature { answer: t, .. }` update
+/// scores).
+#[test]
+fn an_answer_temperature_tempers_the_constrained_choice_and_its_logprob() {
+    use ragen_lab::policy::constrain::AnswerGrammar;
+    let p = load("tiny-llama");
+    let actions: Vec<String> = ["Walrus", "Quokka"].map(String::from).to_vec();
+    let prompt = chat(&p, "Walrus or Quokka?");
+    let grammar = AnswerGrammar::new(&actions, 1, true).unwrap();
+    let allowed = grammar.next_tokens("", &[], &p.token_texts()).expect("the answer is constrained");
+    assert!(allowed.len() > 1);
+    let z = logits_of(&p, &prompt);
+    for t in [1.0f64, 3.0] {
+        let cfg = GenerationConfig {
+            max_new_tokens: 1,
+            temperature: 1.0,
+            answer_temperature: Some(t),
+            constraint: Some(grammar.clone()),
+            ..Default::default()
+        };
+        for g in p.generate(&vec![prompt.clone(); 4], &cfg, &mut Rng::new(5)).unwrap() {
+            let scaled: Vec<f64> = allowed.iter().map(|&id| z[id as usize] as f64 / t).collect();
+            let max = scaled.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+            let lse = max + scaled.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
+            let k = allowed.iter().position(|&id| id == g.ids[0]).expect("an allowed token");
+            assert!(
+                (g.logprobs[0] as f64 - (scaled[k] - lse)).abs() < 1e-4,
+                "t {t}: {} vs {}",
+                g.logprobs[0],
+                scaled[k] - lse
+            );
         }
     }
 }

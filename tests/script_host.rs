@@ -949,11 +949,31 @@ fn the_bandit_experiment_names_its_scripts_params_and_settings() {
     assert_eq!(x.rewards.len(), 1);
     assert_eq!(Value::Object(x.params.clone()), json!({"hi_arm": "Dragon", "lo_arm": "Phoenix"}));
     assert_eq!(x.val_params.clone().map(Value::Object), Some(json!({"hi_arm": "Librarian", "lo_arm": "Trader"})));
-    assert_eq!(x.settings["rollout"]["group_size"], json!(8));
+    assert_eq!(x.settings["rollout"]["group_size"], json!(4));
+    assert_eq!(x.settings["rollout"]["answer_temperature"], json!(2.0));
     assert_eq!(x.model, None, "the default model serves");
     x.scripts(&host).unwrap();
     let tiny = Experiment::load(&host, Path::new("scripts/bandit_tiny.rhai")).unwrap();
     assert_eq!(tiny.model.as_deref(), Some("tiny-llama"));
+}
+
+/// The multi-turn experiments that judge the shipped settings use them as a new user would:
+/// scripts/bandit.rhai's, with only the env and the turn count changed (docs/training.md).
+#[test]
+fn the_learning_experiments_copy_the_bandit_settings_but_the_turn_count() {
+    let host = repo_host();
+    let bandit = Experiment::load(&host, Path::new("scripts/bandit.rhai")).unwrap().settings;
+    for script in [
+        "scripts/lights.rhai",
+        "scripts/learning/recall.rhai",
+        "scripts/learning/elevator.rhai",
+        "scripts/learning/triage.rhai",
+    ] {
+        let mut x = Experiment::load(&host, Path::new(script)).unwrap().settings;
+        let turns = x["rollout"].as_object_mut().unwrap().remove("max_turns");
+        assert!(turns.is_some_and(|t| t.as_u64().unwrap() > 1), "{script}: a multi-turn experiment");
+        assert_eq!(x, bandit, "{script}");
+    }
 }
 
 #[test]

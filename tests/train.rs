@@ -424,7 +424,9 @@ fn the_empty_filter_early_stop_ends_the_run_with_its_numbers() {
     fs::write(p.path().join("scripts/flat.rhai"), bandit.replace("rewards/format_penalty.rhai", "rewards/flat.rhai"))
         .unwrap();
     let mut c = train(p.path(), &["--env", "scripts/flat.rhai", "--preset", "starpo-s2", "--steps", "6"]);
-    c.args(["--set", "stop.empty_steps=2", "--run-dir", "runs/stop"]);
+    // The shipped script trains every group (`starpo.filter = "none"`, which a preset does not
+    // override): name the preset's filter.
+    c.args(["--set", "starpo.filter=top_p", "--set", "stop.empty_steps=2", "--run-dir", "runs/stop"]);
     let out = run_ok(c);
     assert!(out.contains("stopped early"), "{out}");
     let run = p.path().join("runs/stop");

@@ -36,6 +36,9 @@ pub struct Plan {
     pub group_size: usize,
     /// Sampling temperature (training 1.0, validation 0.5).
     pub temperature: f64,
+    /// The temperature of a constrained answer's choices (`rollout.answer_temperature`;
+    /// `None`: `temperature`).
+    pub answer_temperature: Option<f64>,
     /// Env parameters (training or held-out).
     pub params: Map<String, Value>,
     /// Ask the env's solver for its move every turn (`TurnRecord::solver_action`): validation
@@ -294,6 +297,7 @@ pub fn rollout(
     let mut gen_cfg = GenerationConfig {
         max_new_tokens: s.response_length,
         temperature: plan.temperature,
+        answer_temperature: plan.answer_temperature,
         top_p: s.top_p,
         top_k: s.top_k,
         stop_strings: vec!["</answer>".into()],

@@ -32,6 +32,14 @@ settings_section! {
         max_context_tokens: usize = 3600,
         /// Sampling temperature for training rollouts.
         temperature: f64 = 1.0,
+        /// Sampling temperature of a constrained answer's choices (the draws among several
+        /// legal tokens under rollout.constrain_actions); 0 = rollout.temperature. A pretrained
+        /// model is often near-certain between a few legal answers before any training
+        /// (SmolLM2: one of two words 93% of the time at temperature 1), so RL rarely samples
+        /// the other and cannot learn that it pays. The update scores the choices at this
+        /// temperature too (the policy trained is the one sampled); validation samples at
+        /// train.val_temperature.
+        answer_temperature: f64 = 0.0,
         /// Nucleus sampling mass (1 = off).
         top_p: f64 = 1.0,
         /// Top-k sampling (0 = off).
@@ -76,6 +84,21 @@ settings_section! {
         /// engines while this step's update runs on the trainer (one-step off-policy, corrected
         /// by `tis_cap`'s importance weights).
         max_policy_lag: usize = 0,
+    }
+}
+
+impl Rollout {
+    /// The choices' temperature where it differs from `temperature`.
+    pub fn answer_temperature(&self) -> Option<f64> {
+        (self.answer_temperature > 0.0).then_some(self.answer_temperature)
+    }
+}
+
+/// A training rollout's temperatures: `temperature`, and `answer_temperature` where set.
+impl From<&Rollout> for crate::policy::Temperature {
+    fn from(r: &Rollout) -> Self {
+        let text = r.temperature as f32;
+        Self { text, answer: r.answer_temperature().map_or(text, |t| t as f32) }
     }
 }
 

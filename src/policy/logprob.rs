@@ -37,7 +37,7 @@ pub const LOGIT_CHUNK: usize = 1 << 24;
 
 /// Trajectories to score, right-padded `[rows, len]`, and how a pass runs them: as those rows,
 /// or packed as one prefix tree.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TokenBatch {
     /// Row-major `[rows, len]`.
     pub ids: Vec<u32>,
@@ -52,6 +52,23 @@ pub struct TokenBatch {
     /// Row-major `[rows, len]`, or empty: the tokens a position's distribution is restricted to
     /// (`restrict`), `None` for the whole vocabulary.
     allowed: Vec<Allowed>,
+    /// The temperatures the rows were sampled at (`tempered`).
+    temperature: Temperature,
+}
+
+/// The sampling temperatures of a batch's rows: of text, and of constrained choices (the
+/// positions `restrict` lists). A position is scored under softmax(logits / t), the
+/// distribution the sampler drew from, so the policy trained is the one sampled (veRL divides
+/// the logits the same way).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Temperature {
+    pub text: f32,
+    pub answer: f32,
+}
+
+impl Temperature {
+    /// The logits as they are.
+    pub const ONE: Temperature = Temperature { text: 1.0, answer: 1.0 };
 }
 
 /// The distinct scored positions of a batch: for each, the position (of the pass) whose hidden
@@ -62,6 +79,8 @@ struct Wanted {
     target: Vec<u32>,
     allowed: Vec<Allowed>,
     at: Vec<u32>,
+    /// Per wanted position, the temperature it is scored at.
+    temperature: Vec<f32>,
 }
 
 impl TokenBatch {
@@ -80,7 +99,16 @@ impl TokenBatch {
             scored.extend((0..len).map(|t| t > 0 && t < s.len()));
         }
         let lengths = seqs.iter().map(Vec::len).collect();
-        Ok(Self { ids, rows: seqs.len(), len, lengths, tree: None, scored, allowed: Vec::new() })
+        Ok(Self {
+            ids,
+            rows: seqs.len(),
+            len,
+            lengths,
+            tree: None,
+            scored,
+            allowed: Vec::new(),
+            temperature: Temperature::ONE,
+        })
     }
 
     /// The rows packed as one prefix tree: positions the rows share run once.
@@ -112,6 +140,12 @@ impl TokenBatch {
             let n = a.len().min(self.lengths[r]);
             self.allowed[r * self.len..r * self.len + n].clone_from_slice(&a[..n]);
         }
+        self
+    }
+
+    /// Score at the temperatures the rows were sampled at.
+    pub fn tempered(mut self, t: Temperature) -> Self {
+        self.temperature = t;
         self
     }
 
@@ -161,7 +195,7 @@ impl TokenBatch {
 
     fn wanted(&self) -> Wanted {
         let mut index = vec![u32::MAX; self.tokens_computed()];
-        let (mut from, mut target, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut from, mut target, mut allowed, mut temperature) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut at = vec![u32::MAX; self.rows * self.len];
         for r in 0..self.rows {
             for t in 1..self.lengths[r] {
@@ -177,12 +211,16 @@ impl TokenBatch {
                     from.push(self.slot(r, t - 1) as u32);
                     target.push(self.ids[i]);
                     allowed.push(self.allowed_at(i).clone());
+                    temperature.push(match self.allowed_at(i) {
+                        Some(_) => self.temperature.answer,
+                        None => self.temperature.text,
+                    });
                 }
                 at[i] = index[node];
             }
         }
         at.iter_mut().filter(|a| **a == u32::MAX).for_each(|a| *a = from.len() as u32);
-        Wanted { from, target, allowed, at }
+        Wanted { from, target, allowed, at, temperature }
     }
 
     /// `[B, T]` f32: 1 where a position is scored, else 0.
@@ -218,6 +256,7 @@ impl TokenBatch {
                     tree: None,
                     scored: pick(&self.scored),
                     allowed,
+                    temperature: self.temperature,
                 };
                 if self.tree.is_some() {
                     part.as_tree()
@@ -304,6 +343,11 @@ impl Policy {
             let from = Tensor::from_vec(want.from[c.clone()].to_vec(), c.len(), dev)?;
             let hc = hidden.index_select(&from, 0)?; // [c, H]
             let logits = if grad { self.model.logits(&hc)? } else { self.model.logits_no_grad(&hc)? };
+            let temperature = &want.temperature[c.clone()];
+            let logits = match temperature.iter().all(|&t| t == 1.0) {
+                true => logits,
+                false => logits.broadcast_div(&Tensor::from_vec(temperature.to_vec(), (c.len(), 1), dev)?)?,
+            };
             let (targets, allowed) = (&want.target[c.clone()], &want.allowed[c.clone()]);
             if logits.device().is_cpu() {
                 let both = kernels::token_scores(&logits, targets, allowed, grad)?; // [c, 2]

@@ -46,7 +46,7 @@ pub fn device() -> Result<Device> {
 }
 pub use critic::Critic;
 pub use kernels::Allowed;
-pub use logprob::{Scored, TokenBatch};
+pub use logprob::{Scored, Temperature, TokenBatch};
 pub use model::Decoder;
 pub use resolve::ModelLocation;
 pub use sample::{Draws, Finish, Generation, GenerationConfig, Resume};

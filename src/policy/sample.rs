@@ -22,6 +22,9 @@ pub struct GenerationConfig {
     pub max_new_tokens: usize,
     /// 0 = greedy.
     pub temperature: f64,
+    /// The temperature of a draw among several tokens a constraint allows (an answer's
+    /// choice); `None`: `temperature`. Greedy stays greedy.
+    pub answer_temperature: Option<f64>,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p` (1 = off).
     pub top_p: f64,
     /// Keep only the `top_k` most likely tokens (0 = off).
@@ -69,6 +72,7 @@ impl Default for GenerationConfig {
         Self {
             max_new_tokens: 256,
             temperature: 1.0,
+            answer_temperature: None,
             top_p: 1.0,
             top_k: 0,
             stop_strings: vec![],
@@ -241,14 +245,15 @@ impl Draws<'_> {
     }
 }
 
-/// Pick a token from one row of logits; returns (id, log-prob as documented on `Generation`).
-fn pick(logits: &[f32], cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
-    let t = if cfg.temperature > 0.0 { cfg.temperature as f32 } else { 1.0 };
+/// Pick a token from one row of logits at `temperature` (0 = greedy) with `cfg`'s top-k/top-p;
+/// returns (id, log-prob as documented on `Generation`).
+fn pick(logits: &[f32], temperature: f64, cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
+    let t = if temperature > 0.0 { temperature as f32 } else { 1.0 };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     // log p_i = (z_i - max)/t - log Σ_j exp((z_j - max)/t)
     let logsum = logits.iter().map(|&z| ((z - max) / t).exp()).sum::<f32>().ln();
     let logprob = |i: usize| (logits[i] - max) / t - logsum;
-    if cfg.temperature <= 0.0 {
+    if temperature <= 0.0 {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
         return (best as u32, logprob(best));
     }
@@ -416,9 +421,13 @@ impl Policy {
                             for &id in allowed.iter().filter(|&&id| (id as usize) < v) {
                                 masked[id as usize] = logits[k][id as usize];
                             }
-                            pick(&masked, cfg, draws.row(row))
+                            let t = match (allowed.len() > 1, cfg.answer_temperature) {
+                                (true, Some(t)) if cfg.temperature > 0.0 => t,
+                                _ => cfg.temperature,
+                            };
+                            pick(&masked, t, cfg, draws.row(row))
                         }
-                        None => pick(&logits[k], cfg, draws.row(row)),
+                        None => pick(&logits[k], cfg.temperature, cfg, draws.row(row)),
                     }
                 };
                 if let Some(texts) = &token_texts {
@@ -606,16 +615,16 @@ mod tests {
         let logits = [0.0f32, 3.0, 1.0, 2.9];
         let mut rng = Rng::new(1);
         let greedy = GenerationConfig { temperature: 0.0, ..Default::default() };
-        let (id, lp) = pick(&logits, &greedy, &mut rng);
+        let (id, lp) = pick(&logits, greedy.temperature, &greedy, &mut rng);
         assert_eq!(id, 1);
         let z: f32 = logits.iter().map(|x| x.exp()).sum();
         assert!((lp - (3.0f32.exp() / z).ln()).abs() < 1e-6);
         let top2 = GenerationConfig { top_k: 2, ..Default::default() };
         for _ in 0..200 {
-            let (id, _) = pick(&logits, &top2, &mut rng);
+            let (id, _) = pick(&logits, top2.temperature, &top2, &mut rng);
             assert!(id == 1 || id == 3);
         }
         let nucleus = GenerationConfig { top_p: 0.01, ..Default::default() };
-        assert_eq!(pick(&logits, &nucleus, &mut rng).0, 1);
+        assert_eq!(pick(&logits, nucleus.temperature, &nucleus, &mut rng).0, 1);
     }
 }

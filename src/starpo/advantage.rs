@@ -65,22 +65,24 @@ pub fn outcome(
     out
 }
 
-/// Turn-level GRPO: for each episode, per turn k, its return-to-go Gₖ = Σ_{j≥k} rⱼ less the mean
+/// Turn-level GRPO: for each episode, per turn k, its return-to-go Gₖ = Σ_{j≥k} γ^{j−k} rⱼ less the mean
 /// of Gₖ over the episodes of its group that reached turn k (over their std with `norm_by_std`;
 /// a turn only one episode reached gets Gₖ − 0, as GRPO treats a one-member group). A turn's
 /// answer is judged against the others' answers at the same point, and by what followed it,
-/// not by what came before it.
+/// not by what came before it. γ (`starpo.high_level_gamma`) weighs what followed: at 0 a turn
+/// is judged by its own reward only, which is exact credit where later turns do not depend on
+/// it (and where they do, a turn then gets no credit for setting them up).
 ///
 /// # Shapes
 /// `turn_rewards`: [N] lists of each episode's turn rewards; `groups`: [G] lists of indices →
 /// [N] lists of per-turn advantages.
-pub fn turn_grpo(turn_rewards: &[Vec<f64>], groups: &[Vec<usize>], norm_by_std: bool) -> Vec<Vec<f64>> {
+pub fn turn_grpo(turn_rewards: &[Vec<f64>], groups: &[Vec<usize>], norm_by_std: bool, gamma: f64) -> Vec<Vec<f64>> {
     let to_go: Vec<Vec<f64>> = turn_rewards
         .iter()
         .map(|r| {
             let mut g = r.clone();
             for k in (0..g.len().saturating_sub(1)).rev() {
-                g[k] += g[k + 1];
+                g[k] += gamma * g[k + 1];
             }
             g
         })
@@ -248,20 +250,26 @@ mod tests {
         // A hand-made group of three 3-turn episodes, a reward after every turn:
         // returns-to-go  a: [3, 2, 1]   b: [1, 1, 1]   c: [2, 1, 0]  → means [2, 4/3, 2/3].
         let rewards = vec![vec![1.0, 1.0, 1.0], vec![0.0, 0.0, 1.0], vec![1.0, 1.0, 0.0]];
-        let adv = turn_grpo(&rewards, &[vec![0, 1, 2]], false);
+        let adv = turn_grpo(&rewards, &[vec![0, 1, 2]], false, 1.0);
         let third = 1.0 / 3.0;
         for (got, want) in adv.iter().zip([[1.0, 2.0 / 3.0, third], [-1.0, -third, third], [0.0, -third, -2.0 / 3.0]]) {
-            close(&got.iter().map(|&x| x as f32).collect::<Vec<_>>(), &want.map(|x| x as f32));
+            close(&got.iter().map(|&x| x as f32).collect::<Vec<_>>(), &want);
         }
         // The reward only at the end: every turn gets the episode's Dr. GRPO advantage.
         let end = vec![vec![0.0, 0.0, 1.0], vec![0.0, 0.0, 0.0]];
-        assert_eq!(turn_grpo(&end, &[vec![0, 1]], false), vec![vec![0.5; 3], vec![-0.5; 3]]);
+        assert_eq!(turn_grpo(&end, &[vec![0, 1]], false, 1.0), vec![vec![0.5; 3], vec![-0.5; 3]]);
         // A turn only one episode reached keeps its return-to-go; std division as GRPO's.
         let ragged = vec![vec![1.0, 1.0], vec![0.0]];
-        assert_eq!(turn_grpo(&ragged, &[vec![0, 1]], false), vec![vec![1.0, 1.0], vec![-1.0]]);
-        let normed = turn_grpo(&end, &[vec![0, 1]], true);
+        assert_eq!(turn_grpo(&ragged, &[vec![0, 1]], false, 1.0), vec![vec![1.0, 1.0], vec![-1.0]]);
+        let normed = turn_grpo(&end, &[vec![0, 1]], true, 1.0);
         // (GRPO's sample std: of [1, 0] it is √½.)
         assert!((normed[0][0] - 0.5 / (0.5f64.sqrt() + 1e-6)).abs() < 1e-9, "{normed:?}");
+        // γ = 0: each turn against the group's rewards at that turn alone (each turn's mean 2/3);
+        // γ = ½ weighs the next turn by ½ (G₁: a 1.75, b 0.25, c 1.5; their mean 3.5/3).
+        let own = turn_grpo(&rewards, &[vec![0, 1, 2]], false, 0.0);
+        close(&own[1].iter().map(|&x| x as f32).collect::<Vec<_>>(), &[-2.0 / 3.0, -2.0 / 3.0, third]);
+        let half = turn_grpo(&rewards, &[vec![0, 1, 2]], false, 0.5);
+        assert!((half[0][0] - (1.75 - 3.5 / 3.0)).abs() < 1e-9, "{half:?}");
     }
 
     #[test]

@@ -80,7 +80,7 @@ impl Credit {
         let turn_adv = match sp.advantage {
             AdvantageKind::TurnGrpo => {
                 let rewards: Vec<Vec<f64>> = trajs.iter().map(|t| t.turns.iter().map(|u| u.reward).collect()).collect();
-                turn_grpo(&rewards, &members, sp.norm_adv_by_std_in_grpo)
+                turn_grpo(&rewards, &members, sp.norm_adv_by_std_in_grpo, sp.high_level_gamma)
             }
             _ => vec![Vec::new(); trajs.len()],
         };

@@ -13,7 +13,10 @@
 //! StarPO skips the update) for `flat_steps` steps in a row. The run has nothing left to learn
 //! from: it ends as `solved` when the episodes succeed, else as `no_variance`, saying what to
 //! try; with `explore_temperature` set it first samples hotter (the policy collapsed onto one
-//! outcome, so widen what it tries) and stops only when flat still at that temperature.
+//! outcome, so widen what it tries) and stops only when flat still at that temperature. A run
+//! whose validation succeeds `solved_vals` times in a row also ends as `solved`: sampled hot
+//! (`rollout.answer_temperature`), a solved policy still errs now and then in training, so its
+//! steps are never all flat.
 use serde_json::{json, Map, Value};
 
 settings_section! {
@@ -37,6 +40,9 @@ settings_section! {
         flat_steps: usize = 5,
         /// Such a run is `solved` when the last flat step's success rate reaches this.
         solved_success: f64 = 0.95,
+        /// Stop as `solved` after this many validations in a row whose success reaches
+        /// `solved_success`; 0 = off.
+        solved_vals: usize = 2,
         /// A flat run that is not solved first explores: each flat streak raises
         /// rollout.temperature 1.5× up to this, and only a streak at this temperature stops it
         /// as `no_variance`; at or under rollout.temperature, off (the default: on a collapsed
@@ -69,6 +75,7 @@ pub struct EarlyStop {
     early_stds: Vec<f64>,
     low_stds: Vec<f64>,
     low_vals: Vec<f64>,
+    high_vals: Vec<f64>,
     flat_run: usize,
 }
 
@@ -154,7 +161,7 @@ impl EarlyStop {
                     "no group's episodes scored differently for {n} steps in a row (success {success:.2}, \
                      reward {reward:.3}): StarPO has nothing left to learn from. The policy gives the same \
                      outcome every time: resume from an earlier checkpoint with a lower optim.lr, a higher \
-                     rollout.temperature or a larger rollout.group_size (stop.flat_steps = {})",
+                     rollout.answer_temperature (rollout.temperature for free text) or a larger rollout.group_size (stop.flat_steps = {})",
                     s.flat_steps
                 ),
                 fields: numbers,
@@ -164,6 +171,27 @@ impl EarlyStop {
 
     /// One validation's success rate.
     pub fn validation(&mut self, s: &Stop, success: f64) -> Option<Stopped> {
+        if success >= s.solved_success {
+            self.high_vals.push(success);
+        } else {
+            self.high_vals.clear();
+        }
+        if s.solved_vals > 0 && self.high_vals.len() >= s.solved_vals {
+            return Some(Stopped {
+                kind: "solved",
+                message: format!(
+                    "solved: validation success reached {} for {} validations in a row: {:?} (stop.solved_vals = {})",
+                    s.solved_success,
+                    self.high_vals.len(),
+                    self.high_vals,
+                    s.solved_vals
+                ),
+                fields: fields(&[
+                    ("validations", json!(self.high_vals.len())),
+                    ("recent_success", json!(self.high_vals)),
+                ]),
+            });
+        }
         if success < s.val_floor {
             self.low_vals.push(success);
         } else {
@@ -231,6 +259,18 @@ mod tests {
             assert!(e.step(&off, true, 0.0).is_none() && e.validation(&off, 0.0).is_none());
             assert!(e.flat(&off, 0.0, 0.0, 0.0).is_none());
         }
+    }
+
+    #[test]
+    fn validations_at_the_solved_success_in_a_row_end_the_run_as_solved() {
+        let (s, mut e) = (Stop::default(), EarlyStop::default());
+        assert!(e.validation(&s, 0.97).is_none());
+        assert!(e.validation(&s, 0.90).is_none(), "one under the bar resets the count");
+        assert!(e.validation(&s, 1.0).is_none());
+        let stop = e.validation(&s, 0.96).expect("two in a row");
+        assert_eq!((stop.kind, stop.fields["validations"].clone()), ("solved", json!(2)));
+        let (off, mut e) = (Stop { solved_vals: 0, ..Stop::default() }, EarlyStop::default());
+        assert!((0..5).all(|_| e.validation(&off, 1.0).is_none()));
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub struct AdamW {
     pub weight_decay: f64,
     /// Optimiser steps taken (bias correction uses it).
     pub t: u64,
+    /// Steps over which the learning rate rises linearly to `lr` (`optim.warmup_steps`).
+    pub warmup: u64,
     params: Vec<(String, Var, Var, Var)>, // (name, param, m, v)
 }
 
@@ -36,7 +38,8 @@ impl AdamW {
                 Ok((n, v, m, s2))
             })
             .collect::<Result<_>>()?;
-        Ok(Self { lr, beta1: s.beta1, beta2: s.beta2, eps: s.eps, weight_decay: s.weight_decay, t: 0, params })
+        let (beta1, beta2, eps, weight_decay) = (s.beta1, s.beta2, s.eps, s.weight_decay);
+        Ok(Self { lr, beta1, beta2, eps, weight_decay, t: 0, warmup: s.warmup_steps as u64, params })
     }
 
     pub fn vars(&self) -> Vec<Var> {
@@ -65,6 +68,10 @@ impl AdamW {
         let norm = self.grad_norm(grads)?;
         let scale = if max_norm > 0.0 && norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
         self.t += 1;
+        // Adam's first steps are its largest (m̂/√v̂ = ±1 on step 1, whatever the gradient's
+        // noise), so a noisy early gradient moves every weight by the full rate: warm-up
+        // shrinks them until the moments average over a few steps.
+        let lr = self.lr * (self.t as f64 / self.warmup.max(1) as f64).min(1.0);
         let (b1, b2) = (self.beta1, self.beta2);
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2 = 1.0 - b2.powi(self.t as i32);
@@ -72,8 +79,8 @@ impl AdamW {
             beta1: b1 as f32,
             beta2: b2 as f32,
             scale: scale as f32,
-            lr: self.lr as f32,
-            decay: (1.0 - self.lr * self.weight_decay) as f32,
+            lr: lr as f32,
+            decay: (1.0 - lr * self.weight_decay) as f32,
             bc1: bc1 as f32,
             bc2_sqrt: bc2.sqrt() as f32,
             eps: self.eps as f32,
@@ -89,9 +96,9 @@ impl AdamW {
             let v_new = ((v.as_tensor() * b2)? + (g.sqr()? * (1.0 - b2))?)?;
             let m_hat = (&m_new / bc1)?;
             let v_hat = (&v_new / bc2)?;
-            let decayed = (p.as_tensor() * (1.0 - self.lr * self.weight_decay))?;
+            let decayed = (p.as_tensor() * (1.0 - lr * self.weight_decay))?;
             let update = (m_hat / (v_hat.sqrt()? + self.eps)?)?;
-            p.set(&(decayed - (update * self.lr)?)?)?;
+            p.set(&(decayed - (update * lr)?)?)?;
             m.set(&m_new)?;
             v.set(&v_new)?;
         }
@@ -255,6 +262,23 @@ mod tests {
         assert!((norm - (0.25f64 + 9.0).sqrt()).abs() < 1e-5);
         let got = p.as_tensor().to_vec1::<f32>().unwrap();
         assert!((got[0] - 0.899).abs() < 1e-5 && (got[1] + 1.898).abs() < 1e-5, "{got:?}");
+    }
+
+    #[test]
+    fn warm_up_scales_the_first_steps_by_their_share_of_it() {
+        // No decay, a constant gradient: Adam's update is −lr·sign(g) every step, so the steps
+        // are lr/4, 2·lr/4, 3·lr/4, then lr.
+        let p = Var::new(&[0.0f32], &Device::Cpu).unwrap();
+        let s = Optim { weight_decay: 0.0, warmup_steps: 4, ..Optim::default() };
+        let mut opt = AdamW::new(vec![("w".into(), p.clone())], 0.1, &s).unwrap();
+        let mut was = 0.0f32;
+        for (k, want) in [0.025f32, 0.05, 0.075, 0.1, 0.1].into_iter().enumerate() {
+            let grads = (p.as_tensor() * 2.0).unwrap().sum_all().unwrap().backward().unwrap();
+            opt.step(&grads, 0.0).unwrap();
+            let now = p.as_tensor().to_vec1::<f32>().unwrap()[0];
+            assert!((was - now - want).abs() < 1e-6, "step {}: moved {}", k + 1, was - now);
+            was = now;
+        }
     }
 
     #[test]

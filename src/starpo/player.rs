@@ -59,6 +59,7 @@ impl Player<'_> {
                     seeds: (0..n_groups as u64).map(|g| first_seed + g).collect(),
                     group_size: s.rollout.group_size,
                     temperature: s.rollout.temperature,
+                    answer_temperature: s.rollout.answer_temperature(),
                     params,
                     ask_solver: false,
                 };
@@ -101,6 +102,7 @@ impl Player<'_> {
                 seeds: (0..s.train.val_groups as u64).map(|g| s.train.val_seed + g).collect(),
                 group_size: s.train.val_samples,
                 temperature: s.train.val_temperature,
+                answer_temperature: None,
                 params: scripts.env.params_from(&params)?,
                 ask_solver: true,
             };

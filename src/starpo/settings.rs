@@ -204,7 +204,8 @@ settings_section! {
         gamma: f64 = 1.0,
         /// GAE λ.
         lam: f64 = 1.0,
-        /// Turn-level discount for bi-level GAE.
+        /// Turn-level discount: of bi-level GAE, and of turn-level GRPO's return-to-go (0: each
+        /// turn judged by its own reward).
         high_level_gamma: f64 = 0.95,
         /// Lower PPO clip ε_low: the ratio is clipped at 1 − ε_low.
         clip_low: f64 = 0.2,
@@ -257,6 +258,11 @@ settings_section! {
         eps: f64 = 1e-8,
         /// AdamW decoupled weight decay.
         weight_decay: f64 = 0.01,
+        /// Optimiser steps over which the learning rate rises linearly from lr/n to lr (0 = off).
+        /// Adam's first steps are full-size whatever the gradient's noise: on a policy whose
+        /// choice does not yet depend on the state, one such step can tip every answer to one
+        /// side (docs/training.md).
+        warmup_steps: usize = 0,
         /// Clip the global gradient norm to this (0 = off).
         grad_clip: f64 = 1.0,
         /// Trajectories per optimiser step (RAGEN ppo_mini_batch_size); a smaller kept batch is
@@ -494,7 +500,7 @@ impl Settings {
     pub fn validate(&self) -> Result<()> {
         let (r, s, o, t) = (&self.rollout, &self.starpo, &self.optim, &self.train);
         let st = &self.stop;
-        let checks: [(bool, &str); 22] = [
+        let checks: [(bool, &str); 23] = [
             (
                 r.backend == Backend::Local || r.think_budget == 0,
                 "rollout.think_budget acts inside the local sampler: set it to 0 with rollout.backend = \"http\"",
@@ -511,6 +517,10 @@ impl Settings {
             (r.group_size >= 1, "rollout.group_size must be at least 1"),
             (r.response_length >= 1, "rollout.response_length must be at least 1"),
             (r.temperature > 0.0, "rollout.temperature must be > 0"),
+            (
+                r.answer_temperature >= 0.0 && (r.answer_temperature == 0.0 || r.backend == Backend::Local),
+                "rollout.answer_temperature must be ≥ 0, and 0 with rollout.backend = \"http\" (engines sample at one temperature)",
+            ),
             (r.top_p > 0.0 && r.top_p <= 1.0, "rollout.top_p must be in (0, 1]"),
             (s.filter_ratio > 0.0 && s.filter_ratio <= 1.0, "starpo.filter_ratio must be in (0, 1]"),
             (s.filter_top_p > 0.0 && s.filter_top_p <= 1.0, "starpo.filter_top_p must be in (0, 1]"),

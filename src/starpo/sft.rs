@@ -35,7 +35,7 @@ use super::trainer::DEFAULT_MODEL;
 use super::update::{micro_batches, rows_tensor};
 use crate::agent::demo::{demonstrations, DemoStats};
 use crate::agent::pack::Packed;
-use crate::policy::{lora, Policy};
+use crate::policy::{lora, Policy, Temperature};
 use crate::rng::Rng;
 use crate::script::{Experiment, Host, Limits};
 
@@ -332,7 +332,7 @@ fn passes(
     micro_batch_size: usize,
 ) -> Result<Vec<(crate::policy::TokenBatch, candle_core::Tensor)>> {
     let all: Vec<usize> = (0..seqs.len()).collect();
-    micro_batches(seqs, &all, micro_batch_size, policy.pad_id)?
+    micro_batches(seqs, &all, micro_batch_size, policy.pad_id, Temperature::ONE)?
         .into_iter()
         .map(|(rows, tb)| {
             let m: Vec<Vec<f32>> =

@@ -42,6 +42,7 @@ use crate::metrics::echo_trap::{record, EchoTrapMonitor};
 use crate::metrics::keys::Key;
 use crate::metrics::tensorboard::TbWriter;
 use crate::phase::{self, Phase};
+use crate::policy::Temperature;
 use crate::rng::Rng;
 use crate::script::{
     with_edit, Experiment, Host, Limits, LiveScripts, Loaded, RewardScript, ScriptError, Update, Watcher,
@@ -108,7 +109,9 @@ pub fn train(opts: Options) -> Result<Summary> {
         // kept advantage carries a signal (credit.rs says which).
         let credit = Credit::assign(&played.trajs, &played.greedy, &t.s, || {
             let packed: Vec<_> = played.trajs.iter().map(|t| &t.packed).collect();
-            phase::timed(Phase::OldLogprobs, || mean_entropies(&t.nets.policy, &packed, t.s.optim.micro_batch_size))
+            phase::timed(Phase::OldLogprobs, || {
+                mean_entropies(&t.nets.policy, &packed, t.s.optim.micro_batch_size, Temperature::from(&t.s.rollout))
+            })
         })?;
         t.report_skip(step, &credit)?;
         let t_update = Instant::now();
@@ -522,6 +525,7 @@ impl<'o> Trainer<'o> {
         self.run.event(step, "explore", &message, fields)?;
         self.bar.println(format!("step {step}: {message}"));
         self.s.rollout.temperature = t;
+        self.s.rollout.answer_temperature *= t / was;
         self.stops.reset_flat();
         Ok(None)
     }

@@ -20,7 +20,7 @@ use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings, Starpo};
 use crate::agent::pack::Packed;
 use crate::phase::{self, Phase};
-use crate::policy::{Critic, Policy, TokenBatch};
+use crate::policy::{Critic, Policy, Temperature, TokenBatch};
 use crate::rng::Rng;
 
 /// One trajectory as the update sees it: its packed tokens, its (normalised) score for the
@@ -193,8 +193,8 @@ const MAX_TREE_NODES: usize = 2048;
 
 /// The trajectories `rows` as one pass: packed as a prefix tree where that computes less than
 /// the rows do (a group's trajectories share their prompt and often turns of history), scoring
-/// only their trained tokens.
-fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32) -> Result<TokenBatch> {
+/// only their trained tokens, under the temperature they were sampled at.
+fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32, temperature: Temperature) -> Result<TokenBatch> {
     let plain = TokenBatch::new(&rows.iter().map(|&i| packed[i].ids.clone()).collect::<Vec<_>>(), pad)?;
     let masks: Vec<&[bool]> = rows.iter().map(|&i| packed[i].mask.as_slice()).collect();
     let allowed: Vec<_> = rows.iter().map(|&i| packed[i].allowed.as_slice()).collect();
@@ -202,18 +202,19 @@ fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32) -> Result<TokenBatch> {
     let tree = plain.clone().as_tree();
     let (nodes, len) = (tree.tokens_computed(), plain.len);
     let pick = if nodes <= MAX_TREE_NODES && cost(nodes, nodes) < cost(plain.rows * len, len) { tree } else { plain };
-    Ok(pick.score_only(&masks).restrict(&allowed))
+    Ok(pick.score_only(&masks).restrict(&allowed).tempered(temperature))
 }
 
 /// Micro-batches of the trajectories `idx` of `packed`, in order, each computing at most the
 /// positions of `micro` rows of the longest trajectory. Rows of one group share their prompt and often
 /// turns of history, which a packed tree runs once, so a micro-batch holds as many rows as fit:
-/// a whole group when the shared part dominates.
+/// a whole group when the shared part dominates. Scored at the sampling `temperature`.
 pub(super) fn micro_batches(
     packed: &[&Packed],
     idx: &[usize],
     micro: usize,
     pad: u32,
+    temperature: Temperature,
 ) -> Result<Vec<(Vec<usize>, TokenBatch)>> {
     let budget = micro.max(1) * idx.iter().map(|&i| packed[i].ids.len()).max().unwrap_or(0);
     let mut out = Vec::new();
@@ -221,12 +222,12 @@ pub(super) fn micro_batches(
     let mut current: Option<TokenBatch> = None;
     for &i in idx {
         rows.push(i);
-        let candidate = pass_of(packed, &rows, pad)?;
+        let candidate = pass_of(packed, &rows, pad, temperature)?;
         if rows.len() > 1 && candidate.tokens_computed() > budget {
             rows.pop();
             out.push((std::mem::take(&mut rows), current.take().expect("a batch of the rows so far")));
             rows.push(i);
-            current = Some(pass_of(packed, &rows, pad)?);
+            current = Some(pass_of(packed, &rows, pad, temperature)?);
         } else {
             current = Some(candidate);
         }
@@ -239,10 +240,10 @@ pub(super) fn micro_batches(
 
 /// Each trajectory's mean token entropy over its assistant tokens under the current policy, in
 /// one no-grad pass (the filter's entropy metrics; RAGEN-2 computes it the same way).
-pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize) -> Result<Vec<f64>> {
+pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize, temperature: Temperature) -> Result<Vec<f64>> {
     let all: Vec<usize> = (0..packed.len()).collect();
     let mut out = vec![0.0; packed.len()];
-    for (ids, tb) in micro_batches(packed, &all, micro, policy.pad_id)? {
+    for (ids, tb) in micro_batches(packed, &all, micro, policy.pad_id, temperature)? {
         let entropy = per_seq(&policy.token_logprobs_no_grad(&tb)?.entropy, &tb.lengths)?;
         phase::add_tokens(tb.tokens_computed());
         for (row, &i) in entropy.iter().zip(&ids) {
@@ -265,12 +266,13 @@ struct Old {
 }
 
 /// The no-graph passes of [`Old`], timed as the old-log-probs phase.
-fn old_passes(m: &Models<'_>, packed: &[&Packed], micro: usize, pad: u32, single_step: bool, kl: bool) -> Result<Old> {
+fn old_passes(m: &Models<'_>, packed: &[&Packed], s: &Settings, pad: u32, single_step: bool) -> Result<Old> {
+    let (micro, kl, temperature) = (s.optim.micro_batch_size, s.starpo.kl_coef > 0.0, Temperature::from(&s.rollout));
     let n = packed.len();
     let all: Vec<usize> = (0..n).collect();
     let mut old = Old { lp: vec![Vec::new(); n], ref_lp: vec![Vec::new(); n], values: vec![Vec::new(); n], tokens: 0 };
     let start = Instant::now();
-    for (ids, tb) in micro_batches(packed, &all, micro, pad)? {
+    for (ids, tb) in micro_batches(packed, &all, micro, pad, temperature)? {
         let mut tokens = 0;
         let mut put = |into: &mut Vec<Vec<f32>>, rows: Vec<Vec<f32>>| {
             ids.iter().zip(rows).for_each(|(&i, row)| into[i] = row);
@@ -376,7 +378,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     // ops), and the no-grad pass is skipped.
     let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
     let single_step = so.epochs == 1 && mb_size >= n;
-    let old = old_passes(&m, &packed, so.micro_batch_size, pad, single_step, sp.kl_coef > 0.0)?;
+    let old = old_passes(&m, &packed, s, pad, single_step)?;
     stats.tokens += old.tokens;
     let Old { lp: old_lp, ref_lp, mut values, .. } = old;
     // 4. Advantages (and returns for the critic).
@@ -402,7 +404,7 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
         }
         for mb in order.chunks(mb_size) {
             let weight = |rows: usize| rows as f64 / mb.len() as f64;
-            let passes = micro_batches(&packed, mb, so.micro_batch_size, pad)?;
+            let passes = micro_batches(&packed, mb, so.micro_batch_size, pad, Temperature::from(&s.rollout))?;
             // Critic.
             let mut vloss = 0.0;
             if let (Some(c), Some(opt)) = (m.critic, m.critic_opt.as_deref_mut()) {
