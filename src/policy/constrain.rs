@@ -391,6 +391,11 @@ impl AnswerGrammar {
         reply.find(OPEN).map(|i| &reply[i + OPEN.len()..])
     }
 
+    /// Whether `reply` holds a whole answer, closed (the sampler stops at `</answer>`).
+    pub fn is_complete(&self, reply: &str) -> bool {
+        self.answer_part(reply).is_some_and(|a| self.text.run(self.max_actions, a.as_bytes()).contains(&At::End))
+    }
+
     /// Whether `answer + more` is still a prefix of a well-formed answer (over text).
     pub fn allows(&self, answer: &str, more: &str) -> bool {
         let states = self.text.run(self.max_actions, answer.as_bytes());

@@ -12,7 +12,9 @@
 //! And one of ours, on by default: every group scored alike (no reward variance anywhere, so
 //! StarPO skips the update) for `flat_steps` steps in a row. The run has nothing left to learn
 //! from: it ends as `solved` when the episodes succeed, else as `no_variance`, saying what to
-//! try; with `explore_temperature` set it first samples hotter (the policy collapsed onto one
+//! try. A step where one answer is nearly every answer whatever the observation counts as flat
+//! too (it ends as `one_answer`): hot sampling leaves such a policy a few differing episodes, too
+//! few to learn from, so the streak would otherwise never complete; with `explore_temperature` set it first samples hotter (the policy collapsed onto one
 //! outcome, so widen what it tries) and stops only when flat still at that temperature. A run
 //! whose validation succeeds `solved_vals` times in a row also ends as `solved`: sampled hot
 //! (`rollout.answer_temperature`), a solved policy still errs now and then in training, so its
@@ -38,6 +40,11 @@ settings_section! {
         /// Stop after this many steps in a row in which every group's episodes scored alike
         /// (nothing to learn from); 0 = off.
         flat_steps: usize = 5,
+        /// A step also counts as flat when one answer is at least this share of the answers over
+        /// distinct observations (rollout/answer_top_share): a policy that answers alike whatever
+        /// it sees samples the other answers too rarely to learn from them, and such a run stops
+        /// as `one_answer`; 0 = off.
+        one_answer_share: f64 = 0.95,
         /// Such a run is `solved` when the last flat step's success rate reaches this.
         solved_success: f64 = 0.95,
         /// Stop as `solved` after this many validations in a row whose success reaches
@@ -135,15 +142,25 @@ impl EarlyStop {
         self.flat_run = 0;
     }
 
-    /// One step's flatness: the mean in-group reward std over all its groups, its success rate
-    /// and mean reward.
-    pub fn flat(&mut self, s: &Stop, in_group_std: f64, success: f64, reward: f64) -> Option<Stopped> {
-        self.flat_run = if in_group_std < 1e-9 { self.flat_run + 1 } else { 0 };
+    /// One step's flatness: the mean in-group reward std over all its groups, its success rate,
+    /// mean reward and most common answer's share (where measured).
+    pub fn flat(
+        &mut self,
+        s: &Stop,
+        in_group_std: f64,
+        success: f64,
+        reward: f64,
+        top_share: Option<f64>,
+    ) -> Option<Stopped> {
+        let one_answer = top_share.filter(|&x| s.one_answer_share > 0.0 && x >= s.one_answer_share);
+        self.flat_run = if in_group_std < 1e-9 || one_answer.is_some() { self.flat_run + 1 } else { 0 };
         if s.flat_steps == 0 || self.flat_run < s.flat_steps {
             return None;
         }
         let n = self.flat_run;
         let numbers = fields(&[("steps", json!(n)), ("success", json!(success)), ("reward_mean", json!(reward))]);
+        let remedy = "resume from an earlier checkpoint with a lower optim.lr, a higher rollout.answer_temperature \
+                      (rollout.temperature for free text) or a larger rollout.group_size";
         Some(if success >= s.solved_success {
             Stopped {
                 kind: "solved",
@@ -154,14 +171,30 @@ impl EarlyStop {
                 ),
                 fields: numbers,
             }
+        } else if let Some(share) = one_answer {
+            let mut numbers = numbers;
+            numbers.insert("answer_top_share".into(), json!(share));
+            Stopped {
+                kind: "one_answer",
+                message: format!(
+                    "collapsed: {:.0}% of the answers are one answer whatever the observation (success \
+                     {success:.2}, reward {reward:.3}), and {n} steps in a row were like it or flat: the \
+                     policy samples the others too rarely to learn from them. Where a blind answer pays, \
+                     settling on it is what StarPO optimises (the Echo Trap); {remedy} (stop.flat_steps = {}, \
+                     stop.one_answer_share = {})",
+                    share * 100.0,
+                    s.flat_steps,
+                    s.one_answer_share
+                ),
+                fields: numbers,
+            }
         } else {
             Stopped {
                 kind: "no_variance",
                 message: format!(
                     "no group's episodes scored differently for {n} steps in a row (success {success:.2}, \
                      reward {reward:.3}): StarPO has nothing left to learn from. The policy gives the same \
-                     outcome every time: resume from an earlier checkpoint with a lower optim.lr, a higher \
-                     rollout.answer_temperature (rollout.temperature for free text) or a larger rollout.group_size (stop.flat_steps = {})",
+                     outcome every time: {remedy} (stop.flat_steps = {})",
                     s.flat_steps
                 ),
                 fields: numbers,
@@ -257,7 +290,7 @@ mod tests {
         let (off, mut e) = (Stop { flat_steps: 0, ..Stop::default() }, EarlyStop::default());
         for _ in 0..50 {
             assert!(e.step(&off, true, 0.0).is_none() && e.validation(&off, 0.0).is_none());
-            assert!(e.flat(&off, 0.0, 0.0, 0.0).is_none());
+            assert!(e.flat(&off, 0.0, 0.0, 0.0, Some(1.0)).is_none());
         }
     }
 
@@ -286,15 +319,37 @@ mod tests {
     fn flat_runs_end_as_solved_or_as_no_variance_and_variance_resets_them() {
         let s = Stop { flat_steps: 3, ..Stop::default() };
         let mut e = EarlyStop::default();
-        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none());
-        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none());
-        assert!(e.flat(&s, 0.2, 0.5, 0.5).is_none(), "a step with variance resets the count");
-        assert!(e.flat(&s, 0.0, 1.0, 1.0).is_none() && e.flat(&s, 1e-17, 1.0, 1.0).is_none());
-        let stop = e.flat(&s, 0.0, 1.0, 1.0).unwrap();
+        assert!(e.flat(&s, 0.0, 1.0, 1.0, None).is_none());
+        assert!(e.flat(&s, 0.0, 1.0, 1.0, None).is_none());
+        assert!(e.flat(&s, 0.2, 0.5, 0.5, Some(0.6)).is_none(), "a step with variance resets the count");
+        assert!(e.flat(&s, 0.0, 1.0, 1.0, None).is_none() && e.flat(&s, 1e-17, 1.0, 1.0, None).is_none());
+        let stop = e.flat(&s, 0.0, 1.0, 1.0, None).unwrap();
         assert_eq!((stop.kind, stop.fields["steps"].clone()), ("solved", json!(3)));
         let mut e = EarlyStop::default();
-        let stop = (0..3).filter_map(|_| e.flat(&s, 0.0, 0.19, 0.4)).next().unwrap();
+        let stop = (0..3).filter_map(|_| e.flat(&s, 0.0, 0.19, 0.4, None)).next().unwrap();
         assert_eq!(stop.kind, "no_variance");
         assert!(stop.message.contains("success 0.19") && stop.message.contains("optim.lr"), "{}", stop.message);
+    }
+
+    #[test]
+    fn one_answer_to_every_observation_counts_as_flat_and_ends_as_one_answer() {
+        // Elevator's collapse (docs/training.md): "Up" to every floor, the odd hot sample still
+        // scoring differently (std 0.06), a flat step between.
+        let s = Stop { flat_steps: 3, ..Stop::default() };
+        let mut e = EarlyStop::default();
+        assert!(e.flat(&s, 0.06, 0.47, 0.47, Some(0.99)).is_none());
+        assert!(e.flat(&s, 0.0, 0.5, 0.5, Some(1.0)).is_none());
+        let stop = e.flat(&s, 0.06, 0.34, 0.34, Some(0.96)).unwrap();
+        assert_eq!((stop.kind, stop.fields["answer_top_share"].clone()), ("one_answer", json!(0.96)));
+        assert!(stop.message.contains("96%") && stop.message.contains("optim.lr"), "{}", stop.message);
+        // Under the share, answers that follow the observation reset the count; off at 0.
+        let mut e = EarlyStop::default();
+        assert!([0.99, 0.9, 0.99, 0.99].iter().all(|&x| e.flat(&s, 0.06, 0.5, 0.5, Some(x)).is_none()));
+        let off = Stop { one_answer_share: 0.0, ..s };
+        assert!((0..5).all(|_| e.flat(&off, 0.06, 0.5, 0.5, Some(1.0)).is_none()));
+        // A solved policy may answer alike when one answer is right everywhere.
+        let mut e = EarlyStop::default();
+        let stop = (0..3).filter_map(|_| e.flat(&s, 0.0, 1.0, 1.0, Some(1.0))).next().unwrap();
+        assert_eq!(stop.kind, "solved");
     }
 }

@@ -24,7 +24,7 @@ pub struct AdamW {
     /// Optimiser steps taken (bias correction uses it).
     pub t: u64,
     /// Steps over which the learning rate rises linearly to `lr` (`optim.warmup_steps`).
-    pub warmup: u64,
+    warmup: u64,
     params: Vec<(String, Var, Var, Var)>, // (name, param, m, v)
 }
 
@@ -40,6 +40,12 @@ impl AdamW {
             .collect::<Result<_>>()?;
         let (beta1, beta2, eps, weight_decay) = (s.beta1, s.beta2, s.eps, s.weight_decay);
         Ok(Self { lr, beta1, beta2, eps, weight_decay, t: 0, warmup: s.warmup_steps as u64, params })
+    }
+
+    /// The rate of step `t` (the last one taken, or the first before any): `lr`, scaled by
+    /// the warm-up's share while it lasts.
+    pub fn current_lr(&self) -> f64 {
+        self.lr * (self.t.max(1) as f64 / self.warmup.max(1) as f64).min(1.0)
     }
 
     pub fn vars(&self) -> Vec<Var> {
@@ -71,7 +77,7 @@ impl AdamW {
         // Adam's first steps are its largest (m̂/√v̂ = ±1 on step 1, whatever the gradient's
         // noise), so a noisy early gradient moves every weight by the full rate: warm-up
         // shrinks them until the moments average over a few steps.
-        let lr = self.lr * (self.t as f64 / self.warmup.max(1) as f64).min(1.0);
+        let lr = self.current_lr();
         let (b1, b2) = (self.beta1, self.beta2);
         let bc1 = 1.0 - b1.powi(self.t as i32);
         let bc2 = 1.0 - b2.powi(self.t as i32);
@@ -277,6 +283,7 @@ mod tests {
             opt.step(&grads, 0.0).unwrap();
             let now = p.as_tensor().to_vec1::<f32>().unwrap()[0];
             assert!((was - now - want).abs() < 1e-6, "step {}: moved {}", k + 1, was - now);
+            assert!((opt.current_lr() - want as f64).abs() < 1e-6, "step {}: reports {}", k + 1, opt.current_lr());
             was = now;
         }
     }

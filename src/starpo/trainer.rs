@@ -133,9 +133,10 @@ pub fn train(opts: Options) -> Result<Summary> {
         // 7. Validate. Then the early stops (stop.*; RAGEN-2's off by default, ours on flat runs).
         let logged = |k: Key| k.get(&line).unwrap_or(0.0);
         let (mean_std, success, reward) = (logged(Key::InGroupStd), logged(Key::Success), logged(Key::RewardMean));
+        let top_share = Key::AnswerTopShare.get(&line);
         t.summary.step(step, line);
         let ragen2 = t.stops.step(&t.s.stop, credit.kept.is_empty(), mean_std);
-        let flat = t.stops.flat(&t.s.stop, mean_std, success, reward);
+        let flat = t.stops.flat(&t.s.stop, mean_std, success, reward, top_share);
         let mut stopped = t.explore(step, ragen2.or(flat))?;
         if t.s.train.val_every > 0 && step % t.s.train.val_every as u64 == 0 {
             let success = t.validate(step)?;
@@ -465,7 +466,7 @@ impl<'o> Trainer<'o> {
         Key::EmptyAfterFilter.put(&mut line, f64::from(u8::from(credit.kept.is_empty())));
         Key::PolicyLag.put(&mut line, (self.updates_before(played, skipped)) as f64);
         if !skipped {
-            update_metrics(&mut line, stats, self.s.optim.lr);
+            update_metrics(&mut line, stats, self.nets.actor_opt.current_lr());
         }
         cost_metrics(&mut line, &self.nets.policy.model.cfg, trajs, (!skipped).then_some(&credit.kept[..]), cost);
         if self.s.echo.mi_every > 0 && step.is_multiple_of(self.s.echo.mi_every as u64) {
@@ -508,12 +509,12 @@ impl<'o> Trainer<'o> {
         self.updates - u64::from(!skipped) - played.updates
     }
 
-    /// Collapsed onto one outcome (`no_variance`): sample hotter before giving up, where
+    /// Collapsed onto one outcome or answer (`no_variance`, `one_answer`): sample hotter before giving up, where
     /// stop.explore_temperature says so.
     fn explore(&mut self, step: u64, stopped: Option<Stopped>) -> Result<Option<Stopped>> {
         let hotter = stopped
             .as_ref()
-            .filter(|x| x.kind == "no_variance")
+            .filter(|x| x.kind == "no_variance" || x.kind == "one_answer")
             .and_then(|_| explore_temperature(&self.s.stop, self.s.rollout.temperature));
         let Some(t) = hotter else { return Ok(stopped) };
         let was = self.s.rollout.temperature;
