@@ -350,7 +350,10 @@ fn ragen2_options_train_through_the_trainer() {
                 "starpo.filter=top_k",
                 "starpo.filter_ratio=0.5",
                 "starpo.filter_metric=entropy_variance",
-                "starpo.filter_include_zero=false",
+                // A constrained one-turn answer is scored at one position, whose distribution
+                // the group's shared prompt fixes: every group's entropy variance is 0, so
+                // only a filter that includes zero keeps one.
+                "starpo.filter_include_zero=true",
                 "starpo.reward_norm_grouping=inductive",
                 "starpo.filter_loss_scaling=linear",
             ],

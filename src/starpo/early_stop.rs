@@ -43,8 +43,10 @@ settings_section! {
         /// A step also counts as flat when one answer is at least this share of the answers over
         /// distinct observations (rollout/answer_top_share): a policy that answers alike whatever
         /// it sees samples the other answers too rarely to learn from them, and such a run stops
-        /// as `one_answer`; 0 = off.
-        one_answer_share: f64 = 0.95,
+        /// as `one_answer`; 0 = off. Sampled at rollout.answer_temperature 2, a choice made 99%
+        /// of the time at temperature 1 shows as 91% (the learning envs peaked at 84% while
+        /// learning).
+        one_answer_share: f64 = 0.9,
         /// Such a run is `solved` when the last flat step's success rate reaches this.
         solved_success: f64 = 0.95,
         /// Stop as `solved` after this many validations in a row whose success reaches
@@ -344,7 +346,7 @@ mod tests {
         assert!(stop.message.contains("96%") && stop.message.contains("optim.lr"), "{}", stop.message);
         // Under the share, answers that follow the observation reset the count; off at 0.
         let mut e = EarlyStop::default();
-        assert!([0.99, 0.9, 0.99, 0.99].iter().all(|&x| e.flat(&s, 0.06, 0.5, 0.5, Some(x)).is_none()));
+        assert!([0.99, 0.85, 0.99, 0.99].iter().all(|&x| e.flat(&s, 0.06, 0.5, 0.5, Some(x)).is_none()));
         let off = Stop { one_answer_share: 0.0, ..s };
         assert!((0..5).all(|_| e.flat(&off, 0.06, 0.5, 0.5, Some(1.0)).is_none()));
         // A solved policy may answer alike when one answer is right everywhere.
