@@ -182,8 +182,8 @@ impl EarlyStop {
                     "collapsed: {:.0}% of the answers are one answer whatever the observation (success \
                      {success:.2}, reward {reward:.3}), and {n} steps in a row were like it or flat: the \
                      policy samples the others too rarely to learn from them. Where a blind answer pays, \
-                     settling on it is what StarPO optimises (the Echo Trap); {remedy} (stop.flat_steps = {}, \
-                     stop.one_answer_share = {})",
+                     settling on it is what StarPO optimises (the Echo Trap): reward progress in the env so \
+                     that it pays less, or {remedy} (stop.flat_steps = {}, stop.one_answer_share = {})",
                     share * 100.0,
                     s.flat_steps,
                     s.one_answer_share
