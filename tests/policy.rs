@@ -825,3 +825,50 @@ fn an_answer_temperature_tempers_the_constrained_choice_and_its_logprob() {
         }
     }
 }
+
+/// A value slot's characters are copied, not chosen: under `answer_temperature` the choice
+/// between actions is drawn hot, the digits of `pay {digits}` at the text temperature, and each
+/// reported log-prob is of the distribution it was drawn from (the update scores the same:
+/// `TokenBatch::restrict_values`).
+#[test]
+fn a_value_slot_is_drawn_at_the_text_temperature_and_the_choice_hot() {
+    use ragen_lab::policy::constrain::AnswerGrammar;
+    let p = load("tiny-llama");
+    let actions: Vec<String> = ["pay {digits}", "refuse"].map(String::from).to_vec();
+    let grammar = p.canonical(AnswerGrammar::new(&actions, 1, true).unwrap());
+    let prompt = chat(&p, "Pay the amount due, or refuse.");
+    let texts = p.token_texts();
+    let (text_t, answer_t) = (1.0f64, 3.0f64);
+    let cfg = GenerationConfig {
+        max_new_tokens: 6,
+        temperature: text_t,
+        answer_temperature: Some(answer_t),
+        constraint: Some(grammar.clone()),
+        ..Default::default()
+    };
+    let (mut values, mut choices) = (0, 0);
+    for g in p.generate(&vec![prompt.clone(); 8], &cfg, &mut Rng::new(3)).unwrap() {
+        for k in 0..g.ids.len() {
+            let reply: String = g.ids[..k].iter().map(|&id| texts[id as usize].as_str()).collect();
+            let Some(allowed) = grammar.next_tokens(&reply, &g.ids[..k], &texts) else { break };
+            if allowed.len() < 2 {
+                continue;
+            }
+            let value = grammar.in_value(&reply, &g.ids[..k], &texts);
+            let t = if value { text_t } else { answer_t };
+            (values, choices) = (values + usize::from(value), choices + usize::from(!value));
+            let z = logits_of(&p, &[prompt.as_slice(), &g.ids[..k]].concat());
+            let scaled: Vec<f64> = allowed.iter().map(|&id| z[id as usize] as f64 / t).collect();
+            let max = scaled.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+            let lse = max + scaled.iter().map(|&x| (x - max).exp()).sum::<f64>().ln();
+            let at = allowed.iter().position(|&id| id == g.ids[k]).expect("an allowed token");
+            let want = scaled[at] - lse;
+            assert!(
+                (g.logprobs[k] as f64 - want).abs() < 1e-3,
+                "{reply:?} (value {value}): {} vs {want}",
+                g.logprobs[k]
+            );
+        }
+    }
+    assert!(values > 0 && choices > 0, "values {values}, choices {choices}");
+}

@@ -21,13 +21,15 @@ pub struct Packed {
     pub turn_ends: Vec<usize>,
     /// The reward of each visible turn (shaped, format penalty included), [K].
     pub turn_rewards: Vec<f32>,
-    /// The sampler's log-prob of each token it sampled (NaN where unknown), [T]; empty when it
-    /// kept none. The local sampler's are the update's old log-probs, an engine's weigh the
-    /// update (truncated importance sampling).
+    /// The generating engine's log-prob of each token it sampled (NaN where unknown), [T]; empty
+    /// when the policy itself generated (the update then has nothing to correct).
     pub rollout_logprobs: Vec<f32>,
     /// Where the reply was a constrained answer: the tokens the sampler could draw at each
     /// position (the update scores those positions over them), [T]; empty when none was.
     pub allowed: Vec<Allowed>,
+    /// The positions of `allowed` inside a value slot (drawn at the text temperature, not the
+    /// answer's), [T]; empty when none is.
+    pub values: Vec<bool>,
 }
 
 impl Packed {
@@ -52,6 +54,7 @@ impl Packed {
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
             rollout_logprobs: Vec::new(),
             allowed: Vec::new(),
+            values: Vec::new(),
         })
     }
 
@@ -97,8 +100,7 @@ impl Packed {
     }
 
     /// Marks the tokens of each constrained answer with the tokens its grammar allowed there,
-    /// and takes those it allowed alone, and the template's tokens after a complete answer, out
-    /// of the loss mask
+    /// and takes those it allowed alone out of the loss mask
     /// (`grammars`: the last turns', in order, the last one the last visible turn's; `None`
     /// where a turn was free; `token_texts`: each id's text). The grammar reads the reply as
     /// packed, from the opening tag `tag` on, as the sampler read it; a token off the grammar
@@ -106,9 +108,10 @@ impl Packed {
     /// such a row free.
     pub fn set_allowed(&mut self, grammars: &[Option<AnswerGrammar>], tag: &[u32], token_texts: &[String]) {
         let mut out: Vec<Allowed> = vec![None; self.ids.len()];
+        let mut values = vec![false; self.ids.len()];
         for (reply, grammar) in self.replies(tag).into_iter().rev().zip(grammars.iter().rev()) {
             let (Some(reply), Some(grammar)) = (reply, grammar) else { continue };
-            let (from, end) = (*reply.start(), *reply.end());
+            let from = *reply.start();
             let mut text = String::new();
             for t in reply {
                 let id = self.ids[t];
@@ -116,21 +119,19 @@ impl Packed {
                     // The only token allowed: no choice was made, it leaves the loss (and the
                     // token means) like the opening tag.
                     Some(next) if next == [id] => self.mask[t] = false,
-                    Some(next) if next.binary_search(&id).is_ok() => out[t] = Some(next.into()),
+                    Some(next) if next.binary_search(&id).is_ok() => {
+                        values[t] = grammar.in_value(&text, &self.ids[from..t], token_texts);
+                        out[t] = Some(next.into());
+                    }
                     // Outside the answer yet (think mode): free, and the grammar reads on.
                     None if grammar.answer_part(&text).is_none() => {}
-                    // A complete answer: the sampler stopped at its `</answer>`, and what follows
-                    // (the template's end-of-turn) it never drew, so the update does not train it.
-                    None if grammar.is_complete(&text) => {
-                        self.mask[t..=end].fill(false);
-                        break;
-                    }
                     _ => break,
                 }
                 text.push_str(token_texts.get(id as usize).map_or("", String::as_str));
             }
         }
         self.allowed = if out.iter().any(Option::is_some) { out } else { Vec::new() };
+        self.values = if values.contains(&true) { values } else { Vec::new() };
     }
 
     /// A finished episode's chat as the model last saw it (the context window: the last `window`
@@ -239,8 +240,7 @@ mod tests {
         let texts: Vec<String> =
             ["", "<answer>", "red", "blue", "</answer>", "r", "ed", "x", "<|im_end|>"].map(String::from).to_vec();
         // Three turns after the tag `<answer>` (1): "red" | "r" "ed" | "x" (off the grammar),
-        // each closed by the template's end-of-turn id 8, which the sampler never drew after a
-        // complete answer (it stopped at `</answer>`).
+        // each closed by the template's end-of-turn id 8.
         let ids = vec![0, 1, 2, 4, 8, 0, 1, 5, 6, 4, 8, 0, 1, 7, 4, 8];
         let assistant: Vec<bool> = ids.iter().map(|&i| i != 0).collect();
         let chat = ChatTokens { ids: ids.clone(), assistant_mask: assistant.clone(), scored: assistant };
@@ -254,11 +254,9 @@ mod tests {
                     None, None, first, None, None, None,
                     None, None, None, None, None];
         assert_eq!(got, want);
-        // What followed `r` and the closing tags were the only tokens allowed, and the
-        // end-of-turn after a complete answer was not drawn: out of the loss. The reply off the
-        // grammar was sampled freely, its end-of-turn too.
+        // What followed `r` and the closing tags were the only tokens allowed: out of the loss.
         let scored: Vec<usize> = (0..ids.len()).filter(|&t| p.mask[t]).collect();
-        assert_eq!(scored, [1, 2, 6, 7, 12, 13, 14, 15]);
+        assert_eq!(scored, [1, 2, 4, 6, 7, 10, 12, 13, 14, 15]);
         // A free turn is left alone; no constrained turn at all leaves nothing.
         p.set_allowed(&[g.clone(), None, None], &[1], &texts);
         assert_eq!(p.allowed.iter().filter(|a| a.is_some()).count(), 1);

@@ -132,8 +132,7 @@ pub struct Play {
     pub prev_reward: Option<f64>,
     pub done: bool,
     pub truncated: bool,
-    /// Each turn's sampled ids and the sampler's log-probs (local or engine), where they compare
-    /// with the policy's.
+    /// Each turn's sampled ids and the engine's log-probs (rollouts on HTTP engines only).
     pub sampled: Vec<(Vec<u32>, Vec<f32>)>,
     /// Each turn's answer grammar (`None`: sampled freely).
     pub grammars: Vec<Option<AnswerGrammar>>,
@@ -148,7 +147,7 @@ pub struct Reply {
     pub tokens: usize,
     /// The sampler wrote `</think><answer>` itself (`rollout.think_budget`).
     pub forced: bool,
-    /// The sampled ids and their log-probs, where they compare with the policy's.
+    /// The sampled ids and their log-probs, kept when an engine generated them.
     pub sampled: Option<(Vec<u32>, Vec<f32>)>,
     /// The opening tag's and the reply's ids as sampled (`Policy::verbatim_ids`): a reply kept
     /// as written (its format failed) stands in the chat as these, not re-tokenized.
@@ -364,15 +363,10 @@ pub fn rollout(
         for (((i, _, opened), gen), grammar) in
             batch.into_iter().zip(gens).zip(grammars.into_iter().chain(std::iter::repeat(None)))
         {
-            // The local sampler's log-probs are of the distribution the update scores (tempered,
-            // over the legal tokens), forced ids aside (0): the update's old log-probs. Under
-            // constrain_actions an engine's are of the masked distribution, and at a temperature
-            // other than 1 of a tempered one (vLLM's raw ones are not): neither compares with the
-            // policy's, so no importance correction uses them.
-            let keep = match engine {
-                None => s.temperature > 0.0 && !gen.forced,
-                Some(_) => !s.constrain_actions && s.temperature == 1.0,
-            };
+            // Under constrain_actions the engine's log-probs are of the masked distribution, and
+            // at a temperature other than 1 of a tempered one (vLLM's raw ones are not): neither
+            // compares with the policy's, so no importance correction uses them.
+            let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
             let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
             let verbatim = policy.verbatim_ids(&open_tag, &format!("{}{}", turns.open_tag, gen.text), &gen.ids);
             let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim, grammar };

@@ -391,9 +391,14 @@ impl AnswerGrammar {
         reply.find(OPEN).map(|i| &reply[i + OPEN.len()..])
     }
 
-    /// Whether `reply` holds a whole answer, closed (the sampler stops at `</answer>`).
-    pub fn is_complete(&self, reply: &str) -> bool {
-        self.answer_part(reply).is_some_and(|a| self.text.run(self.max_actions, a.as_bytes()).contains(&At::End))
+    /// Whether the token after `reply` (text and ids as in [`Self::next_tokens`]) continues a
+    /// value slot (`{money}`, …). A value is copied from the observation, not chosen among
+    /// actions, so it is drawn at the text temperature (`rollout.answer_temperature` tempers
+    /// choices only). Over text (the fallback automaton) every position counts as a choice.
+    pub fn in_value(&self, reply: &str, ids: &[u32], token_texts: &[String]) -> bool {
+        let (Some(answer), Some(tokens)) = (self.answer_part(reply), &self.tokens) else { return false };
+        let Some(ids) = answer_ids(reply.len() - answer.len(), ids, token_texts) else { return false };
+        tokens.run(self.max_actions, ids, token_texts).iter().any(|s| matches!(s, TokAt::Slot { .. }))
     }
 
     /// Whether `answer + more` is still a prefix of a well-formed answer (over text).

@@ -52,12 +52,15 @@ pub struct TokenBatch {
     /// Row-major `[rows, len]`, or empty: the tokens a position's distribution is restricted to
     /// (`restrict`), `None` for the whole vocabulary.
     allowed: Vec<Allowed>,
+    /// Row-major `[rows, len]`, or empty: the restricted positions inside a value slot, sampled
+    /// at the text temperature (`restrict_values`).
+    values: Vec<bool>,
     /// The temperatures the rows were sampled at (`tempered`).
     temperature: Temperature,
 }
 
-/// The sampling temperatures of a batch's rows: of text, and of constrained choices (the
-/// positions `restrict` lists). A position is scored under softmax(logits / t), the
+/// The sampling temperatures of a batch's rows: of text (value slots included), and of
+/// constrained choices (the positions `restrict` lists, less those `restrict_values` lists). A position is scored under softmax(logits / t), the
 /// distribution the sampler drew from, so the policy trained is the one sampled (veRL divides
 /// the logits the same way).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -107,6 +110,7 @@ impl TokenBatch {
             tree: None,
             scored,
             allowed: Vec::new(),
+            values: Vec::new(),
             temperature: Temperature::ONE,
         })
     }
@@ -139,6 +143,20 @@ impl TokenBatch {
         for (r, a) in allowed.iter().enumerate().take(self.rows) {
             let n = a.len().min(self.lengths[r]);
             self.allowed[r * self.len..r * self.len + n].clone_from_slice(&a[..n]);
+        }
+        self
+    }
+
+    /// Of the restricted positions, those where `values[r][t]` holds are a value's characters,
+    /// scored at the text temperature as they were sampled.
+    pub fn restrict_values(mut self, values: &[&[bool]]) -> Self {
+        if values.iter().all(|v| !v.contains(&true)) {
+            return self;
+        }
+        self.values = vec![false; self.rows * self.len];
+        for (r, v) in values.iter().enumerate().take(self.rows) {
+            let n = v.len().min(self.lengths[r]);
+            self.values[r * self.len..r * self.len + n].copy_from_slice(&v[..n]);
         }
         self
     }
@@ -211,9 +229,10 @@ impl TokenBatch {
                     from.push(self.slot(r, t - 1) as u32);
                     target.push(self.ids[i]);
                     allowed.push(self.allowed_at(i).clone());
+                    let value = self.values.get(i).copied().unwrap_or(false);
                     temperature.push(match self.allowed_at(i) {
-                        Some(_) => self.temperature.answer,
-                        None => self.temperature.text,
+                        Some(_) if !value => self.temperature.answer,
+                        _ => self.temperature.text,
                     });
                 }
                 at[i] = index[node];
@@ -248,6 +267,7 @@ impl TokenBatch {
                         (r0..r1).flat_map(|r| self.allowed[r * self.len..r * self.len + len].iter().cloned()).collect()
                     }
                 };
+                let values = if self.values.is_empty() { Vec::new() } else { pick(&self.values) };
                 let part = TokenBatch {
                     ids,
                     rows: r1 - r0,
@@ -256,6 +276,7 @@ impl TokenBatch {
                     tree: None,
                     scored: pick(&self.scored),
                     allowed,
+                    values,
                     temperature: self.temperature,
                 };
                 if self.tree.is_some() {

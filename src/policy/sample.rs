@@ -410,10 +410,8 @@ impl Policy {
                 let (id, lp) = if let Some(id) = to_force[row].pop_front() {
                     (id, 0.0)
                 } else {
-                    let allowed = match (cfg.constraint_of(row), &token_texts) {
-                        (Some(grammar), Some(texts)) => grammar.next_tokens(&replies[row], &out[row].ids, texts),
-                        _ => None,
-                    };
+                    let grammar = cfg.constraint_of(row).zip(token_texts.as_ref());
+                    let allowed = grammar.and_then(|(g, texts)| g.next_tokens(&replies[row], &out[row].ids, texts));
                     match allowed {
                         Some(allowed) => {
                             let v = logits[k].len();
@@ -421,7 +419,11 @@ impl Policy {
                             for &id in allowed.iter().filter(|&&id| (id as usize) < v) {
                                 masked[id as usize] = logits[k][id as usize];
                             }
-                            let t = match (allowed.len() > 1, cfg.answer_temperature) {
+                            // A choice among several legal tokens is drawn at the answer
+                            // temperature; a value's characters are copied, at the text one.
+                            let choice = allowed.len() > 1
+                                && !grammar.is_some_and(|(g, texts)| g.in_value(&replies[row], &out[row].ids, texts));
+                            let t = match (choice, cfg.answer_temperature) {
                                 (true, Some(t)) if cfg.temperature > 0.0 => t,
                                 _ => cfg.temperature,
                             };
