@@ -60,9 +60,9 @@ pub struct TokenBatch {
 }
 
 /// The sampling temperatures of a batch's rows: of text (value slots included), and of
-/// constrained choices (the positions `restrict` lists, less those `restrict_values` lists). A position is scored under softmax(logits / t), the
-/// distribution the sampler drew from, so the policy trained is the one sampled (veRL divides
-/// the logits the same way).
+/// constrained choices (the positions `restrict` lists, less those `restrict_values` lists). A
+/// position is scored under softmax(logits / t), the distribution the sampler drew from, so the
+/// policy trained is the one sampled (veRL divides the logits the same way).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Temperature {
     pub text: f32,

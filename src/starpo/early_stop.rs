@@ -13,8 +13,9 @@
 //! StarPO skips the update) for `flat_steps` steps in a row. The run has nothing left to learn
 //! from: it ends as `solved` when the episodes succeed, else as `no_variance`, saying what to
 //! try. A step where one answer is nearly every answer whatever the observation counts as flat
-//! too (it ends as `one_answer`): hot sampling leaves such a policy a few differing episodes, too
-//! few to learn from, so the streak would otherwise never complete; with `explore_temperature` set it first samples hotter (the policy collapsed onto one
+//! too (it ends as `one_answer`): hot sampling leaves such a policy a few differing episodes,
+//! too few to learn from, so the streak would otherwise never complete. With
+//! `explore_temperature` set a flat run first samples hotter (the policy collapsed onto one
 //! outcome, so widen what it tries) and stops only when flat still at that temperature. A run
 //! whose validation succeeds `solved_vals` times in a row also ends as `solved`: sampled hot
 //! (`rollout.answer_temperature`), a solved policy still errs now and then in training, so its

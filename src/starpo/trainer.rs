@@ -509,8 +509,8 @@ impl<'o> Trainer<'o> {
         self.updates - u64::from(!skipped) - played.updates
     }
 
-    /// Collapsed onto one outcome or answer (`no_variance`, `one_answer`): sample hotter before giving up, where
-    /// stop.explore_temperature says so.
+    /// Collapsed onto one outcome or one answer (`no_variance`, `one_answer`): sample hotter
+    /// before giving up, where stop.explore_temperature says so.
     fn explore(&mut self, step: u64, stopped: Option<Stopped>) -> Result<Option<Stopped>> {
         let hotter = stopped
             .as_ref()
