@@ -136,29 +136,29 @@ impl TokenBatch {
     /// Score row `r`'s position `t` over `allowed[r][t]` only (a constrained answer's tokens:
     /// the distribution the sampler drew from) where it is `Some`.
     pub fn restrict(mut self, allowed: &[&[Allowed]]) -> Self {
-        if allowed.iter().all(|a| a.iter().all(Option::is_none)) {
-            return self;
-        }
-        self.allowed = vec![None; self.rows * self.len];
-        for (r, a) in allowed.iter().enumerate().take(self.rows) {
-            let n = a.len().min(self.lengths[r]);
-            self.allowed[r * self.len..r * self.len + n].clone_from_slice(&a[..n]);
-        }
+        self.allowed = self.row_major(allowed, Option::is_some);
         self
     }
 
     /// Of the restricted positions, those where `values[r][t]` holds are a value's characters,
     /// scored at the text temperature as they were sampled.
     pub fn restrict_values(mut self, values: &[&[bool]]) -> Self {
-        if values.iter().all(|v| !v.contains(&true)) {
-            return self;
-        }
-        self.values = vec![false; self.rows * self.len];
-        for (r, v) in values.iter().enumerate().take(self.rows) {
-            let n = v.len().min(self.lengths[r]);
-            self.values[r * self.len..r * self.len + n].copy_from_slice(&v[..n]);
-        }
+        self.values = self.row_major(values, |&v| v);
         self
+    }
+
+    /// Per-row lists laid out row-major `[rows, len]` (each cut at its row's length, the rest
+    /// default), or empty where no entry is `set`.
+    fn row_major<T: Clone + Default>(&self, per_row: &[&[T]], set: impl Fn(&T) -> bool) -> Vec<T> {
+        if !per_row.iter().any(|row| row.iter().any(&set)) {
+            return Vec::new();
+        }
+        let mut out = vec![T::default(); self.rows * self.len];
+        for (r, row) in per_row.iter().enumerate().take(self.rows) {
+            let n = row.len().min(self.lengths[r]);
+            out[r * self.len..r * self.len + n].clone_from_slice(&row[..n]);
+        }
+        out
     }
 
     /// Score at the temperatures the rows were sampled at.
