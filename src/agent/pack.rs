@@ -29,7 +29,7 @@ pub struct Packed {
     pub allowed: Vec<Allowed>,
     /// The positions of `allowed` inside a value slot (drawn at the text temperature, not the
     /// answer's), [T]; empty when none is.
-    pub values: Vec<bool>,
+    pub value_slots: Vec<bool>,
 }
 
 impl Packed {
@@ -54,7 +54,7 @@ impl Packed {
             turn_rewards: turn_rewards.iter().map(|&r| r as f32).collect(),
             rollout_logprobs: Vec::new(),
             allowed: Vec::new(),
-            values: Vec::new(),
+            value_slots: Vec::new(),
         })
     }
 
@@ -108,7 +108,7 @@ impl Packed {
     /// such a row free.
     pub fn set_allowed(&mut self, grammars: &[Option<AnswerGrammar>], tag: &[u32], token_texts: &[String]) {
         let mut out: Vec<Allowed> = vec![None; self.ids.len()];
-        let mut values = vec![false; self.ids.len()];
+        let mut value_slots = vec![false; self.ids.len()];
         for (reply, grammar) in self.replies(tag).into_iter().rev().zip(grammars.iter().rev()) {
             let (Some(reply), Some(grammar)) = (reply, grammar) else { continue };
             let from = *reply.start();
@@ -120,7 +120,7 @@ impl Packed {
                     // token means) like the opening tag.
                     Some(next) if next == [id] => self.mask[t] = false,
                     Some(next) if next.binary_search(&id).is_ok() => {
-                        values[t] = grammar.in_value(&text, &self.ids[from..t], token_texts);
+                        value_slots[t] = grammar.in_value(&text, &self.ids[from..t], token_texts);
                         out[t] = Some(next.into());
                     }
                     // Outside the answer yet (think mode): free, and the grammar reads on.
@@ -131,7 +131,7 @@ impl Packed {
             }
         }
         self.allowed = if out.iter().any(Option::is_some) { out } else { Vec::new() };
-        self.values = if values.contains(&true) { values } else { Vec::new() };
+        self.value_slots = if value_slots.contains(&true) { value_slots } else { Vec::new() };
     }
 
     /// A finished episode's chat as the model last saw it (the context window: the last `window`

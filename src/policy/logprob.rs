@@ -54,7 +54,7 @@ pub struct TokenBatch {
     allowed: Vec<Allowed>,
     /// Row-major `[rows, len]`, or empty: the restricted positions inside a value slot, sampled
     /// at the text temperature (`restrict_values`).
-    values: Vec<bool>,
+    value_slots: Vec<bool>,
     /// The temperatures the rows were sampled at (`tempered`).
     temperature: Temperature,
 }
@@ -110,7 +110,7 @@ impl TokenBatch {
             tree: None,
             scored,
             allowed: Vec::new(),
-            values: Vec::new(),
+            value_slots: Vec::new(),
             temperature: Temperature::ONE,
         })
     }
@@ -140,10 +140,10 @@ impl TokenBatch {
         self
     }
 
-    /// Of the restricted positions, those where `values[r][t]` holds are a value's characters,
+    /// Of the restricted positions, those where `value_slots[r][t]` holds are a value's characters,
     /// scored at the text temperature as they were sampled.
-    pub fn restrict_values(mut self, values: &[&[bool]]) -> Self {
-        self.values = self.row_major(values, |&v| v);
+    pub fn restrict_values(mut self, value_slots: &[&[bool]]) -> Self {
+        self.value_slots = self.row_major(value_slots, |&v| v);
         self
     }
 
@@ -229,7 +229,7 @@ impl TokenBatch {
                     from.push(self.slot(r, t - 1) as u32);
                     target.push(self.ids[i]);
                     allowed.push(self.allowed_at(i).clone());
-                    let value = self.values.get(i).copied().unwrap_or(false);
+                    let value = self.value_slots.get(i).copied().unwrap_or(false);
                     temperature.push(match self.allowed_at(i) {
                         Some(_) if !value => self.temperature.answer,
                         _ => self.temperature.text,
@@ -267,7 +267,7 @@ impl TokenBatch {
                         (r0..r1).flat_map(|r| self.allowed[r * self.len..r * self.len + len].iter().cloned()).collect()
                     }
                 };
-                let values = if self.values.is_empty() { Vec::new() } else { pick(&self.values) };
+                let value_slots = if self.value_slots.is_empty() { Vec::new() } else { pick(&self.value_slots) };
                 let part = TokenBatch {
                     ids,
                     rows: r1 - r0,
@@ -276,7 +276,7 @@ impl TokenBatch {
                     tree: None,
                     scored: pick(&self.scored),
                     allowed,
-                    values,
+                    value_slots,
                     temperature: self.temperature,
                 };
                 if self.tree.is_some() {

@@ -421,10 +421,13 @@ impl Policy {
                             }
                             // A choice among several legal tokens is drawn at the answer
                             // temperature; a value's characters are copied, at the text one.
-                            let choice = allowed.len() > 1
-                                && !grammar.is_some_and(|(g, texts)| g.in_value(&replies[row], &out[row].ids, texts));
-                            let t = match (choice, cfg.answer_temperature) {
-                                (true, Some(t)) if cfg.temperature > 0.0 => t,
+                            let choice = || {
+                                allowed.len() > 1
+                                    && !grammar
+                                        .is_some_and(|(g, texts)| g.in_value(&replies[row], &out[row].ids, texts))
+                            };
+                            let t = match cfg.answer_temperature {
+                                Some(t) if cfg.temperature > 0.0 && choice() => t,
                                 _ => cfg.temperature,
                             };
                             pick(&masked, t, cfg, draws.row(row))

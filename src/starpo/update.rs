@@ -198,12 +198,12 @@ fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32, temperature: Temperatur
     let plain = TokenBatch::new(&rows.iter().map(|&i| packed[i].ids.clone()).collect::<Vec<_>>(), pad)?;
     let masks: Vec<&[bool]> = rows.iter().map(|&i| packed[i].mask.as_slice()).collect();
     let allowed: Vec<_> = rows.iter().map(|&i| packed[i].allowed.as_slice()).collect();
-    let values: Vec<_> = rows.iter().map(|&i| packed[i].values.as_slice()).collect();
+    let value_slots: Vec<_> = rows.iter().map(|&i| packed[i].value_slots.as_slice()).collect();
     let cost = |positions: usize, keys: usize| positions as f64 * (1.0 + keys as f64 / KEYS_PER_PROJECTION);
     let tree = plain.clone().as_tree();
     let (nodes, len) = (tree.tokens_computed(), plain.len);
     let pick = if nodes <= MAX_TREE_NODES && cost(nodes, nodes) < cost(plain.rows * len, len) { tree } else { plain };
-    Ok(pick.score_only(&masks).restrict(&allowed).restrict_values(&values).tempered(temperature))
+    Ok(pick.score_only(&masks).restrict(&allowed).restrict_values(&value_slots).tempered(temperature))
 }
 
 /// Micro-batches of the trajectories `idx` of `packed`, in order, each computing at most the
