@@ -555,16 +555,36 @@ fn tree_group(p: &Policy) -> (Vec<Vec<u32>>, usize) {
     (seqs, first_reply)
 }
 
+/// [`tree_group`] with a long second turn on every trajectory, alike on some: a tree of several
+/// of the model's attention blocks (128 queries), whose later blocks see only their branches.
+fn long_tree_group(p: &Policy) -> (Vec<Vec<u32>>, usize) {
+    let (seqs, first_reply) = tree_group(p);
+    let turn = |i: usize| {
+        let light = ["Red", "Green", "Amber"][i % 3];
+        chat(p, &format!("The light ahead is {light}. Recall the last three lights, then answer Go or Stop in <answer></answer>; you are scored at the end on every light."))
+    };
+    (
+        seqs.into_iter()
+            .enumerate()
+            .map(|(i, s)| [s, turn(i), p.encode("<answer>Go</answer>").unwrap()].concat())
+            .collect(),
+        first_reply,
+    )
+}
+
 #[test]
 fn a_packed_tree_runs_each_distinct_position_once_with_the_rows_scores_and_gradients() {
-    for name in PRESETS {
+    // (model, trajectories, how many times fewer positions the tree runs at least)
+    for (name, (seqs, first_reply), fewer) in PRESETS.iter().flat_map(|&name| {
         let p = load(name);
-        let (seqs, first_reply) = tree_group(&p);
+        [(name, tree_group(&p), 3), (name, long_tree_group(&p), 1)]
+    }) {
+        let p = load(name);
         let plain = TokenBatch::new(&seqs, p.pad_id).unwrap();
         let tree = plain.clone().as_tree();
         let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
         assert_eq!(tree.tokens_computed(), ragen_lab::agent::pack::distinct_positions(&refs));
-        assert!(tree.tokens_computed() < plain.tokens_computed() / 3, "{name}: the prompt and the copies run once");
+        assert!(tree.tokens_computed() < plain.tokens_computed() / fewer, "{name}: the prompt and the copies run once");
         // Every position's scores are the rows'.
         let (a, b) = (p.token_logprobs_no_grad(&plain).unwrap(), p.token_logprobs_no_grad(&tree).unwrap());
         let d = max_abs_diff(&a.logprobs, &b.logprobs).max(max_abs_diff(&a.entropy, &b.entropy));

@@ -4,7 +4,7 @@
 //!
 //! - [`causal_softmax`]: the attention mask and the softmax in one pass over the scores; the
 //!   backward keeps only the probabilities. [`tree_softmax`]: the same over a packed prefix
-//!   tree, each position seeing its ancestors.
+//!   tree, each position seeing its ancestors, for the whole tree or one block of its queries.
 //! - [`token_scores`]: the log-prob of each row's target token and the entropy of its
 //!   distribution, straight from the logits; the backward keeps only the logits (the composite
 //!   log-softmax, exp and product keep five vocabulary-wide tensors, about a gigabyte per chunk).
@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, R
 use rayon::prelude::*;
 use std::sync::Arc;
 
-use super::tree::TreeLinks;
+use super::tree::{QueryBlock, TreeLinks};
 
 /// Softmax over the last axis of attention scores `[B, H, T, L]` (H any number of heads),
 /// restricted to the keys each query may see: query j of batch row b sits at cache position
@@ -37,7 +37,13 @@ pub fn causal_softmax(scores: &Tensor, offset: usize, starts: &[usize], grad: bo
 /// (`tree::PrefixTree`): query i sees key j when j is i or one of its ancestors. Differentiable
 /// when `grad`.
 pub fn tree_softmax(scores: &Tensor, links: &Arc<TreeLinks>, grad: bool) -> Result<Tensor> {
-    masked_softmax(scores, CausalSoftmax { offset: 0, starts: vec![0], tree: Some(links.clone()) }, grad)
+    tree_block_softmax(scores, links, &QueryBlock::whole(links.len()), grad)
+}
+
+/// [`tree_softmax`] for one block of queries: scores `[1, H, block's nodes, block's keys]`.
+pub fn tree_block_softmax(scores: &Tensor, links: &Arc<TreeLinks>, block: &QueryBlock, grad: bool) -> Result<Tensor> {
+    let tree = Some((links.clone(), block.clone()));
+    masked_softmax(scores, CausalSoftmax { offset: 0, starts: vec![0], tree }, grad)
 }
 
 fn masked_softmax(scores: &Tensor, op: CausalSoftmax, grad: bool) -> Result<Tensor> {
@@ -352,8 +358,8 @@ impl CustomOp1 for FrozenProject {
 struct CausalSoftmax {
     offset: usize,
     starts: Vec<usize>,
-    /// One packed prefix tree instead of causal rows.
-    tree: Option<Arc<TreeLinks>>,
+    /// One packed prefix tree instead of causal rows: the queries and keys of the scores.
+    tree: Option<(Arc<TreeLinks>, QueryBlock)>,
 }
 
 /// Softmax of `x` over the key ranges `ranges` into `y` (0 elsewhere, as `y` comes).
@@ -388,12 +394,23 @@ impl CustomOp1 for CausalSoftmax {
         let (b, h, t, l) = layout.shape().dims4()?;
         let x = f32_slice(storage, layout, "causal-softmax")?;
         let mut y = vec![0f32; x.len()];
-        if let Some(tree) = &self.tree {
-            if b != 1 || t != l || tree.len() != t {
-                candle_core::bail!("tree-softmax: scores {:?} for a tree of {} nodes", layout.shape(), tree.len());
+        if let Some((tree, block)) = &self.tree {
+            if b != 1 || t != block.end - block.start || l != block.key_count() || block.end > tree.len() {
+                candle_core::bail!(
+                    "tree-softmax: scores {:?} for nodes {}..{} seeing {} keys of a tree of {}",
+                    layout.shape(),
+                    block.start,
+                    block.end,
+                    block.key_count(),
+                    tree.len()
+                );
             }
             y.par_chunks_mut(l).zip(x.par_chunks(l)).enumerate().for_each(|(r, (y, x))| {
-                softmax_over(x, y, tree.visible(r % t));
+                let seen = tree.visible(block.start + r % t).map(|(from, to)| {
+                    let k = block.key_index(from);
+                    (k, k + to - from)
+                });
+                softmax_over(x, y, seen);
             });
             return Ok((CpuStorage::F32(y), layout.shape().clone()));
         }

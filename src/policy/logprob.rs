@@ -26,7 +26,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, Var, D};
 
 use super::kernels::{self, Allowed};
-use super::model::Mode;
+use super::model::{Mode, QUERY_BLOCK};
 use super::tree::{PrefixTree, TreeLinks};
 use super::Policy;
 use crate::phase::{self, Phase};
@@ -178,6 +178,15 @@ impl TokenBatch {
     /// Token positions a forward pass computes: the tree's nodes, or every row padded.
     pub fn tokens_computed(&self) -> usize {
         self.tree.as_ref().map_or(self.rows * self.len, PrefixTree::len)
+    }
+
+    /// Query-key products a pass's attention computes: each block of tree queries against the
+    /// keys it sees, or every padded row against itself.
+    pub fn attention_pairs(&self) -> usize {
+        match &self.tree {
+            Some(tree) => tree.links.query_blocks(QUERY_BLOCK).iter().map(|b| (b.end - b.start) * b.key_count()).sum(),
+            None => self.rows * self.len * self.len,
+        }
     }
 
     /// What a pass runs: the rows `[B, T]` or the tree's tokens `[1, nodes]`.

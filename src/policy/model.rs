@@ -27,7 +27,7 @@ use super::config::Config;
 use super::kernels::{self, project};
 use super::linear::LoraConfig;
 pub use super::linear::{Linear, Mode, PROJECTIONS};
-use super::tree::TreeLinks;
+use super::tree::{QueryBlock, TreeLinks};
 use crate::rng::Rng;
 
 #[derive(Clone)]
@@ -45,6 +45,10 @@ pub struct Layer {
 
 /// The layer's two norms, after `model.layers.{l}.`: before attention and before the MLP.
 const NORMS: [&str; 2] = ["input_layernorm.weight", "post_attention_layernorm.weight"];
+
+/// Queries of a packed tree attended to together: small enough that a block's keys stay near
+/// its own ancestors, large enough for its products to run as GEMMs.
+pub(crate) const QUERY_BLOCK: usize = 128;
 
 impl Layer {
     /// The projections' `[out, in]` shapes and whether each has a bias, in `PROJECTIONS` order.
@@ -561,7 +565,11 @@ impl Decoder {
             (false, Order::Rows(starts)) => Some(attention_mask(b, t, offset, starts, dev)?),
             (false, Order::Tree(links)) => Some(tree_mask(links, dev)?),
         };
-        Ok(Pass { b, t, kv_len: offset + t, order, cos, sin, mask, dropout_seed })
+        let blocks = match (dev.is_cpu(), order) {
+            (true, Order::Tree(links)) => links.query_blocks(QUERY_BLOCK),
+            _ => Vec::new(),
+        };
+        Ok(Pass { b, t, kv_len: offset + t, order, cos, sin, mask, blocks, dropout_seed })
     }
 
     /// How the decoder's own weights are read in `mode`: frozen (detached) while it has adapters.
@@ -720,7 +728,12 @@ impl Decoder {
         // Grouped-query attention without copying K/V per head: the `group` query heads that
         // share a KV head are stacked along the query axis (HF's repeat_kv order).
         // Scaling q rather than the scores saves one [T, L] tensor per layer (and its gradient).
-        let q = (q.reshape((b, nkv, group * t, hd))? * (1.0 / (hd as f64).sqrt()))?;
+        let q = (q * (1.0 / (hd as f64).sqrt()))?;
+        if let (Order::Tree(links), None) = (order, mask) {
+            let out = tree_attention(&q, &k, &v, links, &pass.blocks, mode)?;
+            return linear(&layer.o_proj, &out.transpose(1, 2)?.reshape((t, nh * hd))?);
+        }
+        let q = q.reshape((b, nkv, group * t, hd))?;
         let scores = q.matmul(&k.t()?)?; // [B, nkv, g*T, L]
         let probs = match mask {
             None => {
@@ -744,6 +757,40 @@ impl Decoder {
     }
 }
 
+/// Attention over a packed prefix tree block by block: each block of neighbouring queries
+/// multiplies only against the keys one of them sees (its own nodes and the chains above
+/// them), not against the whole tree, whose other branches it would mask out.
+/// # Shapes
+/// q: [1, nh, T, hd] (scaled), k, v: [1, nkv, T, hd] → [1, nh, T, hd]
+fn tree_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    links: &Arc<TreeLinks>,
+    blocks: &[QueryBlock],
+    mode: Mode,
+) -> Result<Tensor> {
+    let (_, nh, t, hd) = q.dims4()?;
+    let nkv = k.dim(1)?;
+    let group = nh / nkv;
+    let q = q.reshape((1, nkv, group, t, hd))?;
+    let keys = |x: &Tensor, block: &QueryBlock| -> Result<Tensor> {
+        let runs =
+            block.keys.iter().map(|&(first, n)| x.narrow(2, first, n)).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(if runs.len() == 1 { runs[0].clone() } else { Tensor::cat(&runs, 2)? })
+    };
+    let mut outs = Vec::with_capacity(blocks.len());
+    for block in blocks {
+        let (n, s) = (block.end - block.start, block.key_count());
+        let qb = q.narrow(3, block.start, n)?.reshape((1, nkv, group * n, hd))?;
+        let scores = qb.matmul(&keys(k, block)?.t()?)?.reshape((1, nh, n, s))?;
+        let probs = kernels::tree_block_softmax(&scores, links, block, mode == Mode::Train)?;
+        let out = probs.reshape((1, nkv, group * n, s))?.matmul(&keys(v, block)?)?;
+        outs.push(out.reshape((1, nkv, group, n, hd))?);
+    }
+    Ok(Tensor::cat(&outs, 3)?.reshape((1, nh, t, hd))?)
+}
+
 /// Shapes, positions, RoPE tables and mask of one forward pass, shared by its layers.
 struct Pass<'a> {
     b: usize,
@@ -756,6 +803,8 @@ struct Pass<'a> {
     sin: Tensor,
     /// Additive mask on devices without the fused softmax.
     mask: Option<Tensor>,
+    /// A packed tree's query blocks, where the fused softmax runs (CPU).
+    blocks: Vec<QueryBlock>,
     /// Set in training passes: seeds the adapters' dropout.
     dropout_seed: Option<u64>,
 }

@@ -53,6 +53,54 @@ impl TreeLinks {
     pub fn sees(&self, i: usize, j: usize) -> bool {
         self.visible(i).any(|(from, to)| (from..=to).contains(&j))
     }
+
+    /// The nodes in blocks of `size` neighbours, each with the keys any of its nodes sees.
+    pub fn query_blocks(&self, size: usize) -> Vec<QueryBlock> {
+        (0..self.len())
+            .step_by(size.max(1))
+            .map(|start| {
+                let end = (start + size.max(1)).min(self.len());
+                let mut seen: Vec<(usize, usize)> = (start..end).flat_map(|i| self.visible(i)).collect();
+                seen.sort_unstable();
+                let mut keys: Vec<(usize, usize)> = Vec::new(); // [from, to) while merging
+                for (from, to) in seen {
+                    match keys.last_mut() {
+                        Some(last) if from <= last.1 => last.1 = last.1.max(to + 1),
+                        _ => keys.push((from, to + 1)),
+                    }
+                }
+                QueryBlock { start, end, keys: keys.into_iter().map(|(from, to)| (from, to - from)).collect() }
+            })
+            .collect()
+    }
+}
+
+/// Queries of a packed tree attended to together: nodes `start..end` and, as ascending disjoint
+/// runs `(first node, length)`, every key one of them sees. In depth-first order neighbours share
+/// their ancestors, so a block's keys are its own nodes and a few chains above them: attention
+/// block by block multiplies against those instead of the whole tree.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueryBlock {
+    pub start: usize,
+    pub end: usize,
+    pub keys: Vec<(usize, usize)>,
+}
+
+impl QueryBlock {
+    /// Every node of a tree of `n`, seeing every node (the mask does the rest).
+    pub fn whole(n: usize) -> Self {
+        Self { start: 0, end: n, keys: vec![(0, n)] }
+    }
+
+    pub fn key_count(&self) -> usize {
+        self.keys.iter().map(|k| k.1).sum()
+    }
+
+    /// Where node `node`, one of the block's keys, sits among them.
+    pub fn key_index(&self, node: usize) -> usize {
+        let run = self.keys.partition_point(|&(first, _)| first <= node).saturating_sub(1);
+        self.keys[..run].iter().map(|k| k.1).sum::<usize>() + node - self.keys[run].0
+    }
 }
 
 /// Sequences packed as a prefix tree.
@@ -130,5 +178,28 @@ mod tests {
             }
         }
         assert_eq!(PrefixTree::new(&[]).len(), 0);
+    }
+
+    #[test]
+    fn a_query_block_holds_exactly_the_keys_its_nodes_see() {
+        let seqs: [&[u32]; 5] = [&[1, 2, 3, 4, 5, 6], &[1, 2, 3, 9, 9], &[1, 2, 7, 8, 9, 10], &[1, 6, 6], &[4, 4, 4]];
+        let tree = PrefixTree::new(&seqs);
+        for size in [1, 2, 3, 5, tree.len()] {
+            let blocks = tree.links.query_blocks(size);
+            assert_eq!(blocks.iter().map(|b| b.end - b.start).sum::<usize>(), tree.len(), "every node once");
+            for b in &blocks {
+                let keys: Vec<usize> = b.keys.iter().flat_map(|&(first, n)| first..first + n).collect();
+                assert!(keys.windows(2).all(|w| w[0] < w[1]), "ascending, disjoint: {keys:?}");
+                let wanted: Vec<usize> =
+                    (0..tree.len()).filter(|&m| (b.start..b.end).any(|i| tree.links.sees(i, m))).collect();
+                assert_eq!(keys, wanted, "size {size}, block {}..{}", b.start, b.end);
+                for (k, &node) in keys.iter().enumerate() {
+                    assert_eq!(b.key_index(node), k);
+                }
+            }
+        }
+        // A later branch's block skips the earlier branches it does not descend from.
+        let last = tree.links.query_blocks(3).pop().unwrap();
+        assert!(last.key_count() < tree.len());
     }
 }

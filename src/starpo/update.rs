@@ -183,13 +183,8 @@ fn per_seq(x: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
 }
 
 /// Keys a query attends to at which its attention costs as much as its projections (SmolLM2:
-/// 7.1 MFLOP of projections per position and layer, 2.3 kFLOP of attention per key). A packed
-/// tree's attention runs over all its nodes (the mask zeroes what a node does not see), so a
-/// tree pays this quadratic term on its whole size, rows on their own lengths.
+/// 7.1 MFLOP of projections per position and layer, 2.3 kFLOP of attention per key).
 const KEYS_PER_PROJECTION: f64 = 3000.0;
-
-/// Most nodes of one packed tree: its attention scores grow with the square.
-const MAX_TREE_NODES: usize = 2048;
 
 /// The trajectories `rows` as one pass: packed as a prefix tree where that computes less than
 /// the rows do (a group's trajectories share their prompt and often turns of history), scoring
@@ -199,10 +194,9 @@ fn pass_of(packed: &[&Packed], rows: &[usize], pad: u32, temperature: Temperatur
     let masks: Vec<&[bool]> = rows.iter().map(|&i| packed[i].mask.as_slice()).collect();
     let allowed: Vec<_> = rows.iter().map(|&i| packed[i].allowed.as_slice()).collect();
     let value_slots: Vec<_> = rows.iter().map(|&i| packed[i].value_slots.as_slice()).collect();
-    let cost = |positions: usize, keys: usize| positions as f64 * (1.0 + keys as f64 / KEYS_PER_PROJECTION);
+    let cost = |b: &TokenBatch| b.tokens_computed() as f64 + b.attention_pairs() as f64 / KEYS_PER_PROJECTION;
     let tree = plain.clone().as_tree();
-    let (nodes, len) = (tree.tokens_computed(), plain.len);
-    let pick = if nodes <= MAX_TREE_NODES && cost(nodes, nodes) < cost(plain.rows * len, len) { tree } else { plain };
+    let pick = if cost(&tree) < cost(&plain) { tree } else { plain };
     Ok(pick.score_only(&masks).restrict(&allowed).restrict_values(&value_slots).tempered(temperature))
 }
 
@@ -239,12 +233,17 @@ pub(super) fn micro_batches(
     Ok(out)
 }
 
+/// How many times a training micro-batch's positions a pass without a graph runs at once: it
+/// keeps no activations for a backward, and one larger tree runs a prefix shared across
+/// micro-batches once.
+const NO_GRAD_MICRO: usize = 8;
+
 /// Each trajectory's mean token entropy over its assistant tokens under the current policy, in
 /// one no-grad pass (the filter's entropy metrics; RAGEN-2 computes it the same way).
 pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize, temperature: Temperature) -> Result<Vec<f64>> {
     let all: Vec<usize> = (0..packed.len()).collect();
     let mut out = vec![0.0; packed.len()];
-    for (ids, tb) in micro_batches(packed, &all, micro, policy.pad_id, temperature)? {
+    for (ids, tb) in micro_batches(packed, &all, micro * NO_GRAD_MICRO, policy.pad_id, temperature)? {
         let entropy = per_seq(&policy.token_logprobs_no_grad(&tb)?.entropy, &tb.lengths)?;
         phase::add_tokens(tb.tokens_computed());
         for (row, &i) in entropy.iter().zip(&ids) {
@@ -273,7 +272,7 @@ fn old_passes(m: &Models<'_>, packed: &[&Packed], s: &Settings, pad: u32, single
     let all: Vec<usize> = (0..n).collect();
     let mut old = Old { lp: vec![Vec::new(); n], ref_lp: vec![Vec::new(); n], values: vec![Vec::new(); n], tokens: 0 };
     let start = Instant::now();
-    for (ids, tb) in micro_batches(packed, &all, micro, pad, temperature)? {
+    for (ids, tb) in micro_batches(packed, &all, micro * NO_GRAD_MICRO, pad, temperature)? {
         let mut tokens = 0;
         let mut put = |into: &mut Vec<Vec<f32>>, rows: Vec<Vec<f32>>| {
             ids.iter().zip(rows).for_each(|(&i, row)| into[i] = row);
