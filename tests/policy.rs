@@ -323,6 +323,45 @@ fn a_long_stop_string_stops_where_the_full_text_first_holds_it() {
     assert!(stopped.text.ends_with(&stop));
 }
 
+/// After a stop string the sampler scores the template's end-of-turn at the next position (the
+/// update trains it there): the log-prob a full forward over the prompt and the reply gives at
+/// the text temperature, also for a stop met on the budget's last token.
+#[test]
+fn a_row_that_stops_on_a_string_scores_the_end_of_turn_after_it() {
+    let p = load("tiny-llama");
+    let end = p.end_of_turn_id().expect("the template closes a turn with a stop id");
+    let prompts = vec![chat(&p, "Dragon or Phoenix?"), chat(&p, "Up or Down?")];
+    let cfg = GenerationConfig { max_new_tokens: 24, temperature: 0.7, ..Default::default() };
+    let free = p.generate(&prompts, &cfg, &mut Rng::new(5)).unwrap();
+    let stop: String = free[0].text.chars().skip(2).find(char::is_ascii_alphanumeric).expect("a letter").into();
+    for budget in [24, 0] {
+        let with_end = GenerationConfig { stop_strings: vec![stop.clone()], end_after_stop: Some(end), ..cfg.clone() };
+        let stopped = p.generate(&prompts, &with_end, &mut Rng::new(5)).unwrap();
+        let g = &stopped[0];
+        assert_eq!(g.finish, Finish::Stop, "{:?}", free[0].text);
+        // Stopped on its last allowed token: one more step scores the end all the same.
+        let g = if budget == 0 {
+            let last = GenerationConfig { max_new_tokens: g.ids.len(), ..with_end.clone() };
+            &p.generate(&prompts[..1], &last, &mut Rng::new(5)).unwrap()[0].clone()
+        } else {
+            g
+        };
+        let logits = p.next_token_logits(&[prompts[0].clone(), g.ids.clone()].concat()).unwrap();
+        let t = 0.7f32;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let logsum = logits.iter().map(|&z| ((z - max) / t).exp()).sum::<f32>().ln();
+        let want = (logits[end as usize] - max) / t - logsum;
+        let got = g.end_logprob.expect("scored after the stop");
+        assert!((got - want).abs() < 1e-4, "budget {budget}: {got} vs {want}");
+        for (row, other) in stopped.iter().enumerate().skip(1) {
+            assert_eq!(other.end_logprob.is_some(), other.finish == Finish::Stop, "row {row}");
+        }
+    }
+    // Not asked for: nothing scored.
+    let plain = GenerationConfig { stop_strings: vec![stop], ..cfg };
+    assert!(p.generate(&prompts, &plain, &mut Rng::new(5)).unwrap().iter().all(|g| g.end_logprob.is_none()));
+}
+
 #[test]
 fn end_of_turn_token_stops_a_row() {
     let p = load("tiny-qwen2"); // untied lm_head: one row can be edited

@@ -661,6 +661,35 @@ fn turn_level_grpo_trains_a_multi_turn_env() {
     assert_eq!(settings["settings"]["starpo"]["advantage"], "turn_grpo");
 }
 
+/// The local sampler's log-probs are the update's old log-probs (issue 26: no pass over the
+/// batch before the first optimiser step). With the weights held still (a vanishing rate),
+/// every mini-batch's ratio to them is 1 only if they are the log-probs the update scores:
+/// tempered at the answer or text temperature, over the legal tokens, on the same positions,
+/// the end-of-turn after each `</answer>` included.
+#[test]
+fn the_samplers_logprobs_are_the_updates_old_logprobs() {
+    let p = project();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    fs::copy(root.join("envs/lights.rhai"), p.path().join("envs/lights.rhai")).unwrap();
+    let experiment = r#"fn experiment() { #{ env: "envs/lights.rhai", prompt: "prompts/ragen.rhai",
+        settings: #{ rollout: #{ think: false, constrain_actions: true, answer_temperature: 2.0, temperature: 0.7 },
+                     starpo: #{ filter: "none", advantage: "turn_grpo" } } } }"#;
+    fs::write(p.path().join("scripts/lights.rhai"), experiment).unwrap();
+    let mut c = train(p.path(), &["--env", "scripts/lights.rhai", "--steps", "2", "--run-dir", "runs/lp"]);
+    c.args(["--set", "rollout.group_size=4", "--set", "rollout.response_length=24"]);
+    c.args(["--set", "optim.mini_batch_size=2", "--set", "optim.lr=1e-12", "--set", "stop.flat_steps=0"]);
+    run_ok(c);
+    let lines = jsonl(&p.path().join("runs/lp/metrics.jsonl"));
+    let trained: Vec<&Value> = lines.iter().filter(|m| m["update/skipped"] == 0.0).collect();
+    assert!(!trained.is_empty(), "{lines:?}");
+    for m in trained {
+        let f = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {m}"));
+        assert!(f("update/optimizer_steps") > 1.0, "{m}");
+        assert_eq!(f("update/sampler_logprobs"), 1.0, "every trajectory's old log-probs from the sampler: {m}");
+        assert!(f("update/approx_kl").abs() < 1e-4 && f("update/clip_frac") == 0.0, "{m}");
+    }
+}
+
 /// What a run computes, without its clocks: every metrics line and validation event with the
 /// keys that measure time or memory taken out.
 fn computed(run: &Path) -> Value {

@@ -211,5 +211,5 @@ fn generation(resp: CompletionResponse, base: &str, stop_strings: &[String]) -> 
         Some(stop) => restore_stop(c.text, c.finish_reason.as_deref(), c.stop_reason.as_ref(), stop),
         None => c.text,
     };
-    Ok(Generation { ids, text, logprobs, finish, forced: false })
+    Ok(Generation { ids, text, logprobs, finish, forced: false, end_logprob: None })
 }

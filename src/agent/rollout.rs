@@ -132,7 +132,8 @@ pub struct Play {
     pub prev_reward: Option<f64>,
     pub done: bool,
     pub truncated: bool,
-    /// Each turn's sampled ids and the engine's log-probs (rollouts on HTTP engines only).
+    /// Each turn's sampled ids and the sampler's log-probs (local or engine), where they compare
+    /// with the policy's.
     pub sampled: Vec<(Vec<u32>, Vec<f32>)>,
     /// Each turn's answer grammar (`None`: sampled freely).
     pub grammars: Vec<Option<AnswerGrammar>>,
@@ -147,7 +148,7 @@ pub struct Reply {
     pub tokens: usize,
     /// The sampler wrote `</think><answer>` itself (`rollout.think_budget`).
     pub forced: bool,
-    /// The sampled ids and their log-probs, kept when an engine generated them.
+    /// The sampled ids and their log-probs, where they compare with the policy's.
     pub sampled: Option<(Vec<u32>, Vec<f32>)>,
     /// The opening tag's and the reply's ids as sampled (`Policy::verbatim_ids`): a reply kept
     /// as written (its format failed) stands in the chat as these, not re-tokenized.
@@ -225,7 +226,8 @@ impl Play {
             message.ids = reply.verbatim;
         }
         self.history.push_reply(message);
-        self.sampled.extend(reply.sampled);
+        // One entry a turn (empty where none was kept), so the turns line up when packed.
+        self.sampled.push(reply.sampled.unwrap_or_default());
         self.grammars.push(reply.grammar);
         self.prev_reward = Some(reward);
         self.done = applied.done || turn == turns.max_turns;
@@ -307,6 +309,8 @@ pub fn rollout(
             }
             _ => None,
         },
+        // The update's old log-prob of the end-of-turn after `</answer>` (local sampler only).
+        end_after_stop: engine.is_none().then(|| policy.end_of_turn_id()).flatten(),
         ..GenerationConfig::default()
     };
 
@@ -363,11 +367,24 @@ pub fn rollout(
         for (((i, _, opened), gen), grammar) in
             batch.into_iter().zip(gens).zip(grammars.into_iter().chain(std::iter::repeat(None)))
         {
-            // Under constrain_actions the engine's log-probs are of the masked distribution, and
-            // at a temperature other than 1 of a tempered one (vLLM's raw ones are not): neither
-            // compares with the policy's, so no importance correction uses them.
-            let keep = engine.is_some() && !s.constrain_actions && s.temperature == 1.0;
-            let sampled = keep.then(|| (gen.ids.clone(), gen.logprobs.clone()));
+            // The local sampler's log-probs are of the distribution the update scores (tempered,
+            // over the legal tokens), the end-of-turn's after a stop string included: the
+            // update's old log-probs. Forced ids were not drawn. Under constrain_actions an
+            // engine's are of the masked distribution, and at a temperature other than 1 of a
+            // tempered one (vLLM's raw ones are not): neither compares with the policy's, so no
+            // importance correction uses them.
+            let keep = match engine {
+                None => s.temperature > 0.0 && !gen.forced,
+                Some(_) => !s.constrain_actions && s.temperature == 1.0,
+            };
+            let sampled = keep.then(|| {
+                let (mut ids, mut lps) = (gen.ids.clone(), gen.logprobs.clone());
+                if let (Some(lp), Some(end)) = (gen.end_logprob, gen_cfg.end_after_stop) {
+                    ids.push(end);
+                    lps.push(lp);
+                }
+                (ids, lps)
+            });
             let verbatim = policy.verbatim_ids(&open_tag, &format!("{}{}", turns.open_tag, gen.text), &gen.ids);
             let reply = Reply { tokens: gen.ids.len(), text: gen.text, forced: gen.forced, sampled, verbatim, grammar };
             live[i].take_reply(&turns, scripts, s, turn, opened, reply, |t| Ok(policy.encode_plain(t)?.len()))?;
@@ -380,7 +397,7 @@ pub fn rollout(
         .map(|ep| {
             let rewards: Vec<f64> = ep.turns.iter().map(|t| t.reward).collect();
             let mut packed = Packed::from_history(policy, &ep.history, &rewards, s.context_window)?;
-            if !ep.sampled.is_empty() {
+            if ep.sampled.iter().any(|(ids, _)| !ids.is_empty()) {
                 // A window that dropped turns shows the earlier replies in a context they were
                 // not sampled in: only the last one compares.
                 let k = ep.sampled.len();

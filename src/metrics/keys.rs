@@ -86,6 +86,9 @@ metric_keys! {
     ApproxKl = "update/approx_kl",
     /// Optimiser steps taken in the update.
     OptimizerSteps = "update/optimizer_steps",
+    /// Share of the trained trajectories whose old log-probs were the local sampler's, so no
+    /// pass ran over them (0 on a single optimiser step, which needs none).
+    SamplerLogprobs = "update/sampler_logprobs",
     /// Rollouts on engines: mean of the truncated importance weight min(π_old/π_engine, cap)
     /// over the tokens whose engine log-prob is known.
     TisWeightMean = "update/tis_weight_mean",

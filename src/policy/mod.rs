@@ -173,6 +173,14 @@ impl Policy {
         self.model.device()
     }
 
+    /// The id the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`):
+    /// the last token of a reply's mask, where it is one of the stop ids.
+    pub fn end_of_turn_id(&self) -> Option<u32> {
+        let chat = self.chat_tokens(&[Message::user("x"), Message::assistant("y")], false).ok()?;
+        let last = chat.assistant_mask.iter().rposition(|&m| m)?;
+        Some(chat.ids[last]).filter(|id| self.stop_ids.contains(id))
+    }
+
     /// Render `messages` with the chat template and tokenize, with the assistant loss mask.
     pub fn chat_tokens(&self, messages: &[Message], add_generation_prompt: bool) -> Result<ChatTokens> {
         let t = self.chat_template.as_ref().ok_or_else(|| {

@@ -42,6 +42,11 @@ pub struct GenerationConfig {
     pub row_constraints: Vec<Option<AnswerGrammar>>,
     /// Text the sampler writes itself once a reply runs long (`rollout.think_budget`).
     pub forcing: Option<Forcing>,
+    /// After a stop string, score this id at the next position, at `temperature` over the whole
+    /// vocabulary (`Generation::end_logprob`): the chat template's end-of-turn, which the
+    /// history puts there and training scores though the sampler never draws it. Costs the
+    /// stopped rows one more decode step.
+    pub end_after_stop: Option<u32>,
 }
 
 impl GenerationConfig {
@@ -80,6 +85,7 @@ impl Default for GenerationConfig {
             constraint: None,
             row_constraints: vec![],
             forcing: None,
+            end_after_stop: None,
         }
     }
 }
@@ -175,6 +181,9 @@ pub struct Generation {
     /// The sampler wrote `GenerationConfig::forcing`'s ids into this reply (their log-probs
     /// are 0).
     pub forced: bool,
+    /// After a stop string, the log-prob of `GenerationConfig::end_after_stop` at the next
+    /// position, as `logprobs` are (`None`: not asked for, or the row did not stop on one).
+    pub end_logprob: Option<f32>,
 }
 
 /// The positions a row has already run through the model (its prompt and the generated tokens
@@ -245,14 +254,19 @@ impl Draws<'_> {
     }
 }
 
+/// log p_i = (z_i - max)/t - log Σ_j exp((z_j - max)/t) of one row of logits at `temperature`
+/// (1 when greedy), for any i.
+fn log_softmax_at(logits: &[f32], temperature: f64) -> impl Fn(usize) -> f32 + '_ {
+    let t = if temperature > 0.0 { temperature as f32 } else { 1.0 };
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let logsum = logits.iter().map(|&z| ((z - max) / t).exp()).sum::<f32>().ln();
+    move |i: usize| (logits[i] - max) / t - logsum
+}
+
 /// Pick a token from one row of logits at `temperature` (0 = greedy) with `cfg`'s top-k/top-p;
 /// returns (id, log-prob as documented on `Generation`).
 fn pick(logits: &[f32], temperature: f64, cfg: &GenerationConfig, rng: &mut Rng) -> (u32, f32) {
-    let t = if temperature > 0.0 { temperature as f32 } else { 1.0 };
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    // log p_i = (z_i - max)/t - log Σ_j exp((z_j - max)/t)
-    let logsum = logits.iter().map(|&z| ((z - max) / t).exp()).sum::<f32>().ln();
-    let logprob = |i: usize| (logits[i] - max) / t - logsum;
+    let logprob = log_softmax_at(logits, temperature);
     if temperature <= 0.0 {
         let best = (0..logits.len()).fold(0, |b, i| if logits[i] > logits[b] { i } else { b });
         return (best as u32, logprob(best));
@@ -372,6 +386,7 @@ impl Policy {
                 logprobs: vec![],
                 finish: Finish::Length,
                 forced: false,
+                end_logprob: None,
             })
             .collect();
         let mut kept: Vec<Option<Resume>> = (0..b).map(|_| None).collect();
@@ -382,6 +397,9 @@ impl Policy {
             Ok(Resume { kv: cache.row(k, starts[row], ids.len())?, ids })
         };
         let mut done = vec![false; b];
+        // Rows that stopped on a stop string and wait for the end-of-turn's score: their last id
+        // is fed once more, and the next step reads its log-prob instead of drawing.
+        let mut ending = vec![false; b];
         // Under a constraint or a forcing: each row's text so far, token texts appended as they
         // are sampled; and the forced ids a row has still to be fed.
         let token_texts = (cfg.constrained() || cfg.forcing.is_some()).then(|| self.token_texts());
@@ -392,11 +410,15 @@ impl Policy {
         let mut active: Vec<usize> = (0..b).collect();
         let mut active_starts = starts.clone();
         let decode_start = std::time::Instant::now();
-        for step in 0..cfg.max_new_tokens {
+        for step in 0.. {
             let logits = self.model.logits_no_grad(&last)?.to_vec2::<f32>()?;
             let mut next = vec![self.pad_id; active.len()];
             for (k, &row) in active.iter().enumerate() {
-                if done[row] {
+                if let (true, Some(end)) = (ending[row], cfg.end_after_stop) {
+                    out[row].end_logprob = Some(log_softmax_at(&logits[k], cfg.temperature)(end as usize));
+                    ending[row] = false;
+                }
+                if done[row] || step >= cfg.max_new_tokens {
                     continue;
                 }
                 if let Some(f) = cfg.forcing.as_ref().filter(|f| {
@@ -449,19 +471,22 @@ impl Policy {
                 } else if !cfg.stop_strings.is_empty() && self.stop_string_ends_here(&g.ids, &cfg.stop_strings)? {
                     g.finish = Finish::Stop;
                     done[row] = true;
+                    ending[row] = cfg.end_after_stop.is_some();
                 }
             }
-            if done.iter().all(|&d| d) || step + 1 == cfg.max_new_tokens {
+            let waiting = ending.iter().any(|&e| e);
+            if !waiting && (done.iter().all(|&d| d) || step + 1 >= cfg.max_new_tokens) {
                 break;
             }
-            let finished = active.iter().filter(|&&r| done[r]).count();
+            let gone = |r: usize| done[r] && !ending[r];
+            let finished = active.iter().filter(|&&r| gone(r)).count();
             if finished > 0 && finished * 4 >= active.len() {
                 if keep {
-                    for (k, &row) in active.iter().enumerate().filter(|(_, &r)| done[r]) {
+                    for (k, &row) in active.iter().enumerate().filter(|(_, &r)| gone(r)) {
                         kept[row] = Some(snapshot(&cache, k, row, &out[row])?);
                     }
                 }
-                let stay: Vec<usize> = (0..active.len()).filter(|&k| !done[active[k]]).collect();
+                let stay: Vec<usize> = (0..active.len()).filter(|&k| !gone(active[k])).collect();
                 cache.retain(&stay)?;
                 next = stay.iter().map(|&k| next[k]).collect();
                 active_starts = stay.iter().map(|&k| active_starts[k]).collect();

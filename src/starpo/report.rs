@@ -97,6 +97,7 @@ pub fn update_metrics(m: &mut Map<String, Value>, u: &UpdateStats, lr: f64) {
     put(Key::ApproxKl, u.approx_kl);
     put(Key::Lr, lr);
     put(Key::OptimizerSteps, u.optimizer_steps as f64);
+    put(Key::SamplerLogprobs, u.sampler_logprobs as f64 / u.seq_advantage.len().max(1) as f64);
     if let Some(k) = u.kl {
         put(Key::Kl, k);
     }

@@ -19,6 +19,7 @@ use super::loss::{agg_share, clipped_surrogate, kl, seq_mean_token_mean, value_l
 use super::optim::AdamW;
 use super::settings::{AdvantageKind, Settings, Starpo};
 use crate::agent::pack::Packed;
+use crate::agent::settings::Backend;
 use crate::phase::{self, Phase};
 use crate::policy::{Critic, Policy, Temperature, TokenBatch};
 use crate::rng::Rng;
@@ -52,6 +53,8 @@ pub struct UpdateStats {
     /// Rollouts on engines (truncated importance sampling): the mean weight, the largest
     /// ratio and KL(π_engine ‖ π_old), over the tokens with an engine log-prob.
     pub tis: Option<TisStats>,
+    /// Trajectories whose old log-probs were the local sampler's (no pass over them).
+    pub sampler_logprobs: usize,
 }
 
 /// One mini-batch's update figures, and their sums over mini-batches (`UpdateStats` divides).
@@ -256,36 +259,75 @@ pub fn mean_entropies(policy: &Policy, packed: &[&Packed], micro: usize, tempera
 
 /// What the update reads from the weights before it moves them: each sequence's old log-probs
 /// (skipped on a single optimiser step, where the step's own forward pass, detached, is
-/// bit-identical), the reference's where the KL loss is on, and the critic's values.
+/// bit-identical; taken from the local sampler where it has them, see [`sampled_logprobs`]),
+/// the reference's where the KL loss is on, and the critic's values.
 struct Old {
     lp: Vec<Vec<f32>>,
     ref_lp: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     /// Positions run.
     tokens: usize,
+    /// Sequences whose old log-probs are the sampler's.
+    from_sampler: usize,
+}
+
+/// The local sampler's log-probs of `p`'s trained tokens, 0 elsewhere, where it has one for
+/// each of them (the end-of-turn after `</answer>` included, which it scores after stopping).
+/// It drew them from the distribution the update scores (tempered, over the legal tokens) on
+/// the weights the update starts from, so they are the old log-probs without a pass, up to the
+/// rounding of a cached decode against a full forward. An engine's are of other weights and
+/// weigh the update instead (truncated importance sampling).
+fn sampled_logprobs(p: &Packed, s: &Settings) -> Option<Vec<f32>> {
+    if s.rollout.backend == Backend::Http || p.rollout_logprobs.len() != p.mask.len() {
+        return None;
+    }
+    let known = p.rollout_logprobs.iter().zip(&p.mask).all(|(lp, &on)| !on || !lp.is_nan());
+    known.then(|| p.rollout_logprobs.iter().zip(&p.mask).map(|(&lp, &on)| if on { lp } else { 0.0 }).collect())
 }
 
 /// The no-graph passes of [`Old`], timed as the old-log-probs phase.
 fn old_passes(m: &Models<'_>, packed: &[&Packed], s: &Settings, pad: u32, single_step: bool) -> Result<Old> {
     let (micro, kl, temperature) = (s.optim.micro_batch_size, s.starpo.kl_coef > 0.0, Temperature::from(&s.rollout));
     let n = packed.len();
-    let all: Vec<usize> = (0..n).collect();
-    let mut old = Old { lp: vec![Vec::new(); n], ref_lp: vec![Vec::new(); n], values: vec![Vec::new(); n], tokens: 0 };
+    let mut old = Old {
+        lp: vec![Vec::new(); n],
+        ref_lp: vec![Vec::new(); n],
+        values: vec![Vec::new(); n],
+        tokens: 0,
+        from_sampler: 0,
+    };
+    let mut unknown = Vec::new();
+    if !single_step {
+        for (i, p) in packed.iter().enumerate() {
+            match sampled_logprobs(p, s) {
+                Some(lp) => (old.lp[i], old.from_sampler) = (lp, old.from_sampler + 1),
+                None => unknown.push(i),
+            }
+        }
+    }
+    let (reference, critic) = (m.reference.filter(|_| kl), m.critic);
+    // Every sequence where the reference or the critic reads them, else only those the sampler
+    // left without old log-probs.
+    let rows: Vec<usize> = if reference.is_some() || critic.is_some() { (0..n).collect() } else { unknown.clone() };
     let start = Instant::now();
-    for (ids, tb) in micro_batches(packed, &all, micro * NO_GRAD_MICRO, pad, temperature)? {
+    for (ids, tb) in micro_batches(packed, &rows, micro * NO_GRAD_MICRO, pad, temperature)? {
         let mut tokens = 0;
         let mut put = |into: &mut Vec<Vec<f32>>, rows: Vec<Vec<f32>>| {
-            ids.iter().zip(rows).for_each(|(&i, row)| into[i] = row);
+            for (&i, row) in ids.iter().zip(rows) {
+                if into[i].is_empty() {
+                    into[i] = row;
+                }
+            }
             tokens += tb.tokens_computed();
         };
-        if !single_step {
+        if ids.iter().any(|i| unknown.contains(i)) {
             put(&mut old.lp, per_seq(&m.policy.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?);
         }
-        if let (Some(r), true) = (m.reference, kl) {
+        if let Some(r) = reference {
             put(&mut old.ref_lp, per_seq(&r.token_logprobs_no_grad(&tb)?.logprobs, &tb.lengths)?);
         }
         // 3. Critic values.
-        if let Some(c) = m.critic {
+        if let Some(c) = critic {
             put(&mut old.values, per_seq(&align_values(&c.values_no_grad(&tb)?)?, &tb.lengths)?);
         }
         phase::add_tokens(tokens);
@@ -364,7 +406,9 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let pad = policy.pad_id;
     // Engine log-probs where the rollout ran on engines: the value (0 where unknown) and 1 where
     // known.
-    let tis = s.rollout.tis_cap > 0.0 && items.iter().any(|it| !it.packed.rollout_logprobs.is_empty());
+    let tis = s.rollout.tis_cap > 0.0
+        && s.rollout.backend == Backend::Http
+        && items.iter().any(|it| !it.packed.rollout_logprobs.is_empty());
     let engine_rows = |f: fn(f32) -> f32| -> Vec<Vec<f32>> {
         items.iter().map(|it| it.packed.rollout_logprobs.iter().map(|&x| f(x)).collect()).collect()
     };
@@ -372,14 +416,15 @@ pub fn update(mut m: Models<'_>, items: &[Item<'_>], s: &Settings, rng: &mut Rng
     let roll_known = engine_rows(|x| f32::from(u8::from(!x.is_nan())));
     let mut tis_sums = TisSums::default();
 
-    // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph. When the
-    // update is a single optimiser step, the policy has not moved before it: the old log-probs
-    // are the step's own forward pass, detached (bit-identical: Score and Train run the same
-    // ops), and the no-grad pass is skipped.
+    // 2. Old log-probs (and reference log-probs where the KL loss is on), no graph: the local
+    // sampler's where it has them all. When the update is a single optimiser step, the policy
+    // has not moved before it: the old log-probs are the step's own forward pass, detached
+    // (bit-identical: Score and Train run the same ops), and the no-grad pass is skipped.
     let mb_size = if so.rollout_reuse > 1 { n.div_ceil(so.rollout_reuse) } else { so.mini_batch_size.min(n) };
     let single_step = so.epochs == 1 && mb_size >= n;
     let old = old_passes(&m, &packed, s, pad, single_step)?;
     stats.tokens += old.tokens;
+    stats.sampler_logprobs = old.from_sampler;
     let Old { lp: old_lp, ref_lp, mut values, .. } = old;
     // 4. Advantages (and returns for the critic).
     let (adv, ret) = advantages(items, &mut values, &masks, sp);
