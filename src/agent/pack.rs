@@ -21,8 +21,9 @@ pub struct Packed {
     pub turn_ends: Vec<usize>,
     /// The reward of each visible turn (shaped, format penalty included), [K].
     pub turn_rewards: Vec<f32>,
-    /// The generating engine's log-prob of each token it sampled (NaN where unknown), [T]; empty
-    /// when the policy itself generated (the update then has nothing to correct).
+    /// The sampler's log-prob of each token it sampled (NaN where unknown), [T]; empty when it
+    /// kept none. The local sampler's (the end-of-turn after a stop string included) are the
+    /// update's old log-probs, an engine's weigh the update (truncated importance sampling).
     pub rollout_logprobs: Vec<f32>,
     /// Where the reply was a constrained answer: the tokens the sampler could draw at each
     /// position (the update scores those positions over them), [T]; empty when none was.
@@ -73,12 +74,13 @@ impl Packed {
             .collect()
     }
 
-    /// Places the engine's log-probs of each turn's sampled ids (`sampled`: the last turns, in
+    /// Places the sampler's log-probs of each turn's sampled ids (`sampled`: the last turns, in
     /// order; the last one is the last visible turn's) on the tokens they scored: after the
     /// opening tag `tag` the reply was sampled after, for as long as the packed ids agree with
     /// the sampled ones. Past the first disagreement (the history keeps a re-serialised answer,
     /// or the template tokenizes the text differently) the context is no longer the one the
-    /// engine saw, so those tokens keep NaN and get no correction.
+    /// sampler saw, so those tokens keep NaN (the update then runs its own old-log-prob pass for
+    /// that trajectory, and an engine's get no correction there).
     pub fn set_rollout_logprobs(&mut self, sampled: &[(Vec<u32>, Vec<f32>)], tag: &[u32]) {
         let mut out = vec![f32::NAN; self.ids.len()];
         for (reply, (ids, lps)) in self.replies(tag).into_iter().rev().zip(sampled.iter().rev()) {
