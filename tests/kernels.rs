@@ -1,7 +1,7 @@
 //! The fused kernels against the composite candle ops they replace: values and gradients on
 //! random shapes, with cache offsets and left padding.
 use candle_core::{Device, Tensor, Var, D};
-use ragen_lab::policy::kernels::{causal_softmax, frozen_project, rms_norm, rope, token_scores, tree_softmax};
+use ragen_lab::policy::kernels::{causal_softmax, rms_norm, rope, swiglu, token_scores, trained_project, tree_softmax};
 use ragen_lab::policy::model::{attention_mask, tree_mask};
 use ragen_lab::policy::tree::PrefixTree;
 use ragen_lab::rng::Rng;
@@ -89,7 +89,7 @@ fn causal_softmax_rejects_shapes_it_cannot_mask() {
 }
 
 #[test]
-fn frozen_project_is_a_matmul_whose_weight_gets_no_gradient() {
+fn trained_project_is_a_matmul_in_values_and_both_gradients_and_skips_a_frozen_weight() {
     let mut rng = Rng::new(5);
     // Few rows (the (W xᵀ)ᵀ path) and many.
     for rows in [3, 300] {
@@ -97,13 +97,41 @@ fn frozen_project_is_a_matmul_whose_weight_gets_no_gradient() {
         let w = Var::from_tensor(&random(&[40, 24], &mut rng)).unwrap();
         let up = random(&[rows, 40], &mut rng);
         let reference = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
-        let fused = frozen_project(x.as_tensor(), w.as_tensor()).unwrap();
-        assert!(max_abs_diff(&reference, &fused) < 1e-4, "{rows} rows: values");
+        let ours = trained_project(x.as_tensor(), w.as_tensor()).unwrap();
+        assert!(max_abs_diff(&reference, &ours) < 1e-4, "{rows} rows: values");
         let g_ref = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let g = (fused * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let d = max_abs_diff(g_ref.get(x.as_tensor()).unwrap(), g.get(x.as_tensor()).unwrap());
-        assert!(d < 1e-4, "{rows} rows: input gradient differs by {d}");
+        let g = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        for (what, v) in [("input", &x), ("weight", &w)] {
+            let d = max_abs_diff(g_ref.get(v.as_tensor()).unwrap(), g.get(v.as_tensor()).unwrap());
+            assert!(d < 1e-4, "{rows} rows: the {what}'s gradient differs by {d}");
+        }
+        let frozen = trained_project(x.as_tensor(), &w.as_tensor().detach()).unwrap();
+        let g = (frozen * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(g.get(x.as_tensor()).is_some(), "the input got no gradient");
         assert!(g.get(w.as_tensor()).is_none(), "the frozen weight got a gradient");
+    }
+    assert_eq!(trained_project(&random(&[0, 24], &mut rng), &random(&[40, 24], &mut rng)).unwrap().dims(), [0, 40]);
+    assert!(trained_project(&random(&[2, 24], &mut rng), &random(&[40, 23], &mut rng)).is_err());
+}
+
+#[test]
+fn swiglu_matches_silu_times_up_in_values_and_gradients() {
+    let mut rng = Rng::new(6);
+    for shape in [[1, 1], [7, 33], [300, 100]] {
+        let gate = Var::from_tensor(&random(&shape, &mut rng)).unwrap();
+        let up = Var::from_tensor(&random(&shape, &mut rng)).unwrap();
+        let weights = random(&shape, &mut rng);
+        let ours = swiglu(gate.as_tensor(), up.as_tensor(), true).unwrap();
+        let theirs = (gate.as_tensor().silu().unwrap() * up.as_tensor()).unwrap();
+        assert_eq!(max_abs_diff(&ours, &theirs), 0.0, "{shape:?}: values");
+        let g_ours = (&ours * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_theirs = (&theirs * &weights).unwrap().sum_all().unwrap().backward().unwrap();
+        for (what, v) in [("gate", &gate), ("up", &up)] {
+            let d = max_abs_diff(g_ours.get(v.as_tensor()).unwrap(), g_theirs.get(v.as_tensor()).unwrap());
+            assert!(d < 1e-5, "{shape:?}: the {what} gradient differs by {d}");
+        }
+        let plain = swiglu(gate.as_tensor(), up.as_tensor(), false).unwrap();
+        assert_eq!(max_abs_diff(&plain, &ours), 0.0);
     }
 }
 

@@ -14,12 +14,15 @@
 //! - [`rope`]: the rotary embedding with per-row positions as one rotation per pair; its
 //!   backward is the inverse rotation (the composite narrows, negates and concatenates, and
 //!   keeps each piece for backward).
-//! - [`frozen_project`]: `x Wᵀ` for a weight that gets no gradient (LoRA's frozen base). candle's
-//!   matmul backward computes both operands' gradients whether they are wanted or not, so a
-//!   detached weight would still cost a weight-gradient matmul per projection.
+//! - [`trained_project`]: `x Wᵀ` whose backward writes W's gradient in W's own layout, and
+//!   skips it for a frozen W (LoRA's base). Through candle's matmul of `W.t()` the gradient
+//!   passed through the transpose's backward (two more weight-sized copies, one strided), and
+//!   was computed for a frozen weight all the same.
+//! - [`swiglu`]: `silu(gate) ⊙ up` in one pass; the backward reads the two inputs once (the
+//!   composite rebuilds the sigmoid out of five full-size tensors).
 //!
 //! Each is tested against the composite ops for values and gradients (tests/kernels.rs).
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 use std::sync::Arc;
 
@@ -55,9 +58,99 @@ fn masked_softmax(scores: &Tensor, op: CausalSoftmax, grad: bool) -> Result<Tens
     }
 }
 
-/// `x Wᵀ` (`x` `[N, in]`, `w` `[out, in]`) whose backward computes only the gradient of `x`.
-pub fn frozen_project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(FrozenProject { w: w.detach() })
+/// `x Wᵀ` (`x` `[N, in]`, `w` `[out, in]`) as one op, differentiable in `x`, and in `w` when it
+/// records a graph. The backward computes `dx = dy W` and `dW = dyᵀ x` straight into W's
+/// layout. Through candle's matmul of the transposed view, W's gradient came out `[in, out]` and
+/// went through the transpose's backward (two more weight-sized zero-and-add copies, one of
+/// them strided), and a frozen W's gradient was computed all the same.
+pub fn trained_project(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if cfg!(feature = "mkl") && w.track_op() {
+        return project(x, w); // MKL's GEMM runs under candle's matmul only
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Project)
+}
+
+struct Project;
+
+/// `dst = lhs · rhs` for `(m, n, k)`, each operand given with its (row, column) strides.
+fn gemm_f32(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    (dst_rs, dst_cs): (usize, usize),
+    (lhs, lhs_rs, lhs_cs): (&[f32], usize, usize),
+    (rhs, rhs_rs, rhs_cs): (&[f32], usize, usize),
+) {
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs;
+    assert!(
+        dst.len() > last(m, n, dst_rs, dst_cs)
+            && lhs.len() > last(m, k, lhs_rs, lhs_cs)
+            && rhs.len() > last(k, n, rhs_rs, rhs_cs),
+        "gemm operands smaller than their shapes"
+    );
+    let threads = candle_core::utils::get_num_threads(); // as candle's matmul: the same values
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: every index the strides reach is inside its slice (checked above).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_cs as isize,
+            dst_rs as isize,
+            false,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+impl CustomOp2 for Project {
+    fn name(&self) -> &'static str {
+        "project"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ((n, k), (m, k2)) = (l1.shape().dims2()?, l2.shape().dims2()?);
+        if k != k2 {
+            candle_core::bail!("project: x {:?} against a weight {:?}", l1.shape(), l2.shape());
+        }
+        let (x, w) = (f32_slice(s1, l1, "project")?, f32_slice(s2, l2, "project")?);
+        let mut y = vec![0f32; n * m];
+        if y.is_empty() || k == 0 {
+            return Ok((CpuStorage::F32(y), Shape::from((n, m))));
+        }
+        if n > FEW_ROWS {
+            // y [n, m] = x [n, k] · wᵀ [k, m], as candle's `x.matmul(&w.t())` runs it.
+            gemm_f32((n, m, k), &mut y, (m, 1), (x, k, 1), (w, 1, k));
+        } else {
+            // yᵀ [m, n] = w [m, k] · xᵀ [k, n], as `project` runs few rows, then laid out.
+            let mut yt = vec![0f32; n * m];
+            gemm_f32((m, n, k), &mut yt, (n, 1), (w, k, 1), (x, 1, k));
+            for (i, row) in yt.chunks(n).enumerate() {
+                for (j, &v) in row.iter().enumerate() {
+                    y[j * m + i] = v;
+                }
+            }
+        }
+        Ok((CpuStorage::F32(y), Shape::from((n, m))))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dx = dy.matmul(&w.detach())?;
+        let dw = if w.track_op() { Some(dy.t()?.matmul(&x.detach())?) } else { None };
+        Ok((Some(dx), dw))
+    }
 }
 
 /// `x / sqrt(mean(x²) + eps) ⊙ w` over the last axis (`x` `[N, H]`, `w` `[H]`), differentiable
@@ -148,6 +241,95 @@ impl CustomOp2 for RmsNorm {
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         let dw = if want_dw { Some(Tensor::from_vec(dw, w.shape(), w.device())?) } else { None };
         Ok((Some(dx), dw))
+    }
+}
+
+/// SwiGLU's gate: `silu(gate) ⊙ up` (both `[N, I]`) in one pass, differentiable in both when
+/// `grad`. The composite keeps silu's output and, in its backward, builds the sigmoid again out
+/// of five full-size tensors; this backward reads the two inputs once.
+pub fn swiglu(gate: &Tensor, up: &Tensor, grad: bool) -> Result<Tensor> {
+    let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+    if grad {
+        gate.apply_op2(&up, SwiGlu)
+    } else {
+        gate.apply_op2_no_bwd(&up, &SwiGlu)
+    }
+}
+
+struct SwiGlu;
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// As candle computes it, so that every mode's values agree bit for bit.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Slices of `a` and `b`'s storage, which must be f32 CPU tensors of the same shape.
+fn same_shape_slices<'a>(
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+    what: &str,
+) -> Result<(&'a [f32], &'a [f32])> {
+    if l1.shape() != l2.shape() {
+        candle_core::bail!("{what}: shapes {:?} and {:?} differ", l1.shape(), l2.shape());
+    }
+    Ok((f32_slice(s1, l1, what)?, f32_slice(s2, l2, what)?))
+}
+
+/// Elementwise work in chunks large enough to be worth a thread.
+const ELEMENTWISE_CHUNK: usize = 1 << 14;
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (g, u) = same_shape_slices((s1, l1), (s2, l2), "swiglu")?;
+        let mut y = vec![0f32; g.len()];
+        y.par_chunks_mut(ELEMENTWISE_CHUNK)
+            .zip(g.par_chunks(ELEMENTWISE_CHUNK).zip(u.par_chunks(ELEMENTWISE_CHUNK)))
+            .for_each(|(y, (g, u))| {
+                for ((o, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                    *o = silu(g) * u;
+                }
+            });
+        Ok((CpuStorage::F32(y), l1.shape().clone()))
+    }
+
+    /// With s = sigmoid(g): d gate = dy·u·s·(1 + g·(1 − s)), d up = dy·g·s.
+    fn bwd(&self, gate: &Tensor, up: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dy = dy.contiguous()?;
+        let (gs, gl) = gate.storage_and_layout();
+        let (us, ul) = up.storage_and_layout();
+        let (ds, dl) = dy.storage_and_layout();
+        let (g, u, d) = match (&*gs, &*us, &*ds) {
+            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
+                let (g, u) = same_shape_slices((a, gl), (b, ul), "swiglu")?;
+                (g, u, same_shape_slices((b, ul), (c, dl), "swiglu")?.1)
+            }
+            _ => candle_core::bail!("swiglu: expected CPU tensors"),
+        };
+        let (mut dg, mut du) = (vec![0f32; g.len()], vec![0f32; g.len()]);
+        let c = ELEMENTWISE_CHUNK;
+        dg.par_chunks_mut(c)
+            .zip(du.par_chunks_mut(c))
+            .zip(g.par_chunks(c).zip(u.par_chunks(c)).zip(d.par_chunks(c)))
+            .for_each(|((dg, du), ((g, u), d))| {
+                for i in 0..g.len() {
+                    let s = sigmoid(g[i]);
+                    dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                    du[i] = d[i] * g[i] * s;
+                }
+            });
+        drop((gs, us, ds));
+        Ok((
+            Some(Tensor::from_vec(dg, gate.shape(), gate.device())?),
+            Some(Tensor::from_vec(du, up.shape(), up.device())?),
+        ))
     }
 }
 
@@ -327,31 +509,6 @@ impl TokenScores {
             }
         }
         Ok(())
-    }
-}
-
-struct FrozenProject {
-    w: Tensor,
-}
-
-impl CustomOp1 for FrozenProject {
-    fn name(&self) -> &'static str {
-        "frozen-project"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = Tensor::from_slice(f32_slice(storage, layout, "frozen-project")?, layout.shape(), &Device::Cpu)?;
-        let y = project(&x, &self.w).map_err(|e| candle_core::Error::Msg(e.to_string()))?.contiguous()?;
-        let shape = y.shape().clone();
-        let (storage, _) = y.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(cpu) => Ok((cpu.clone(), shape)),
-            _ => candle_core::bail!("frozen-project: expected a CPU result"),
-        }
-    }
-
-    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(grad.matmul(&self.w)?))
     }
 }
 

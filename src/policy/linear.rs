@@ -7,7 +7,7 @@
 use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
 
-use super::kernels::{frozen_project, project};
+use super::kernels::{project, trained_project};
 use crate::rng::Rng;
 
 /// Which ops the forward pass uses and whether it records a graph (see the module doc).
@@ -45,12 +45,8 @@ impl Linear {
     /// x: [N, in] → [N, out]
     pub(super) fn forward(&self, x: &Tensor, mode: Mode, base: Mode, dropout_seed: Option<u64>) -> Result<Tensor> {
         let w = base.weight(&self.weight);
-        let frozen_in_training = mode == Mode::Train && base != Mode::Train;
-        let mut y = if frozen_in_training && x.device().is_cpu() && x.track_op() {
-            frozen_project(x, &w)?
-        } else {
-            project(x, &w)?
-        };
+        // Training on the CPU: one op whose backward skips a frozen (detached) weight.
+        let mut y = if mode == Mode::Train && x.device().is_cpu() { trained_project(x, &w)? } else { project(x, &w)? };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(&base.weight(b))?;
         }

@@ -189,6 +189,10 @@ pub struct Decoder {
     /// Training passes keep only each layer's input and recompute the layer in the backward
     /// pass (activation checkpointing): about a third more compute, a fraction of the memory.
     pub checkpoint_layers: bool,
+    /// With `checkpoint_layers`, a pass whose graph is estimated at most this many bytes keeps
+    /// it anyway (`graph_bytes`): checkpoints save memory, and memory under this is not
+    /// worth the recomputation. 0: every pass checkpoints.
+    pub graph_budget: usize,
     /// The adapters' settings while the projections carry LoRA adapters (`lora::attach`);
     /// the decoder's own weights are then frozen.
     pub lora: Option<LoraConfig>,
@@ -378,6 +382,7 @@ impl Decoder {
             layers,
             cfg,
             checkpoint_layers: false,
+            graph_budget: 0,
             lora: None,
             dropout_seed: Default::default(),
         })
@@ -449,8 +454,10 @@ impl Decoder {
     /// # Shapes
     /// hidden: [N, H] → logits [N, V]
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        if self.lora.is_some() && hidden.device().is_cpu() {
-            return Ok(kernels::frozen_project(hidden, self.lm_head_weight())?);
+        if hidden.device().is_cpu() {
+            let w = self.lm_head_weight();
+            let w = if self.lora.is_some() { w.detach() } else { w.clone() };
+            return Ok(kernels::trained_project(hidden, &w)?);
         }
         Ok(hidden.matmul(&self.lm_head_weight().t()?)?)
     }
@@ -499,8 +506,8 @@ impl Decoder {
         &self,
         ids: &Tensor,
         order: Order<'_>,
-        mut past: Past<'_>,
-        mut record: Option<&mut Vec<(Tensor, Tensor)>>,
+        past: Past<'_>,
+        record: Option<&mut Vec<(Tensor, Tensor)>>,
         mode: Mode,
     ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
@@ -515,13 +522,26 @@ impl Decoder {
         }
         let seed = (mode == Mode::Train).then(|| self.next_dropout_seed());
         let pass = self.pass(b, t, offset, order, seed)?;
+        self.forward_pass(ids, &pass, past, record, mode)
+    }
+
+    /// The decoder stack over a pass already laid out.
+    fn forward_pass(
+        &self,
+        ids: &Tensor,
+        pass: &Pass<'_>,
+        mut past: Past<'_>,
+        mut record: Option<&mut Vec<(Tensor, Tensor)>>,
+        mode: Mode,
+    ) -> Result<Tensor> {
+        let (b, t, offset) = (pass.b, pass.t, pass.kv_len - pass.t);
         let mut x = self.embed(ids, mode)?;
         for (l, layer) in self.layers.iter().enumerate() {
             let kv = match &mut past {
                 Past::None => LayerPast::None,
                 Past::Cache(c) => LayerPast::Cache(&c.layers[l], offset),
             };
-            x = self.block(layer, &x, &pass, kv, record.as_deref_mut(), mode)?;
+            x = self.block(layer, &x, pass, kv, record.as_deref_mut(), mode)?;
         }
         if let Past::Cache(c) = past {
             c.len = pass.kv_len;
@@ -603,8 +623,8 @@ impl Decoder {
         let x = (x + self.attention(layer, &normed, pass, kv, record, mode)?)?;
         let normed = rms_norm(&x, &base.weight(&layer.post_attention_layernorm), eps, mode)?;
         let linear = |lin: &Linear, x: &Tensor| lin.forward(x, mode, base, pass.dropout_seed);
-        let gate = linear(&layer.gate_proj, &normed)?.silu()?;
-        let mlp = linear(&layer.down_proj, &(gate * linear(&layer.up_proj, &normed)?)?)?;
+        let gated = swiglu(&linear(&layer.gate_proj, &normed)?, &linear(&layer.up_proj, &normed)?, mode)?;
+        let mlp = linear(&layer.down_proj, &gated)?;
         Ok((x + mlp)?)
     }
 
@@ -615,13 +635,12 @@ impl Decoder {
     pub fn train_hidden(&self, ids: &Tensor, tree: Option<&Arc<TreeLinks>>) -> Result<(Tensor, Backprop)> {
         let (b, t) = ids.dims2()?;
         let zeros = vec![0; b];
-        if !self.checkpoint_layers {
-            let hidden = self.forward(ids, order(tree, &zeros), Past::None, None, Mode::Train)?;
-            return Ok((hidden.detach(), Backprop::Graph(hidden)));
-        }
-        // One dropout seed, drawn where the unchecked path draws it.
         let seed = self.next_dropout_seed();
         let pass = self.pass(b, t, 0, order(tree, &zeros), Some(seed))?;
+        if !self.checkpoint_layers || self.graph_bytes(&pass) <= self.graph_budget {
+            let hidden = self.forward_pass(ids, &pass, Past::None, None, Mode::Train)?;
+            return Ok((hidden.detach(), Backprop::Graph(hidden)));
+        }
         let mut x = self.embed(ids, Mode::Score)?;
         let mut inputs = Vec::with_capacity(self.layers.len() + 1);
         for layer in &self.layers {
@@ -632,6 +651,24 @@ impl Decoder {
         inputs.push(x);
         let ck = Checkpoints { ids: ids.clone(), tree: tree.cloned(), inputs, seed };
         Ok((hidden, Backprop::Checkpointed(ck)))
+    }
+
+    /// The activations a training pass's graph keeps, estimated from what each layer records
+    /// per position (norms, projections, RoPE'd heads, the MLP's three wide tensors, residuals)
+    /// and per attention pair (scores and probabilities per head). Within 10% of the resident
+    /// memory measured on SmolLM2 passes of 200–900 tree nodes (docs/models.md).
+    fn graph_bytes(&self, pass: &Pass<'_>) -> usize {
+        let c = &self.cfg;
+        let (q, kv) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+        let per_position = 10 * c.hidden_size + 6 * q + 5 * kv + 3 * c.intermediate_size;
+        let pairs: usize = match pass.order {
+            Order::Tree(_) if !pass.blocks.is_empty() => {
+                pass.blocks.iter().map(|blk| (blk.end - blk.start) * blk.key_count()).sum()
+            }
+            _ => pass.b * pass.t * pass.kv_len,
+        };
+        let floats = pass.b * pass.t * per_position + 2 * c.num_attention_heads * pairs;
+        c.num_hidden_layers * floats * std::mem::size_of::<f32>()
     }
 
     /// Add into `grads` the gradients of every weight for `Σ grad · hidden`, recomputing layer
@@ -894,6 +931,15 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, mode: Mode) -> Result<Tensor> {
     })
 }
 
+/// # Shapes
+/// gate, up: [N, I] → [N, I]
+fn swiglu(gate: &Tensor, up: &Tensor, mode: Mode) -> Result<Tensor> {
+    if gate.device().is_cpu() {
+        return Ok(kernels::swiglu(gate, up, mode == Mode::Train)?);
+    }
+    Ok((gate.silu()? * up)?)
+}
+
 /// Rotary embedding, NeoX/HF "rotate_half" layout, per-row positions.
 /// # Shapes
 /// x: [B, n, T, hd], cos/sin: [B, T, hd/2] → [B, n, T, hd]
@@ -911,4 +957,43 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, mode: Mode) -> Result<Tensor> {
     let x2 = x.narrow(D::Minus1, hd / 2, hd / 2)?;
     let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
     Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::config::Family;
+
+    #[test]
+    fn a_pass_within_the_graph_budget_keeps_its_graph_and_a_larger_one_checkpoints() {
+        let cfg = Config {
+            family: Family::Llama,
+            vocab_size: 10,
+            hidden_size: 8,
+            intermediate_size: 16,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 4,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10_000.0,
+            max_position_embeddings: 64,
+            tie_word_embeddings: true,
+            bos_token_id: Some(1),
+            eos_token_ids: vec![2],
+        };
+        let mut model = Decoder::random(cfg, 1, &Device::Cpu).unwrap();
+        let ids = Tensor::new(&[[1u32, 4, 5, 6], [1, 4, 7, 8]], &Device::Cpu).unwrap();
+        // 2 layers × (8 positions × 196 floats + 2 heads × 2 · 4 · 4 pairs × 2) × 4 bytes.
+        let pass = model.pass(2, 4, 0, Order::Rows(&[0, 0]), None).unwrap();
+        assert_eq!(model.graph_bytes(&pass), 2 * (8 * 196 + 2 * 2 * 32) * 4);
+        let kept = |m: &Decoder| matches!(m.train_hidden(&ids, None).unwrap().1, Backprop::Graph(_));
+        model.checkpoint_layers = false;
+        assert!(kept(&model), "without checkpoints every pass keeps its graph");
+        model.checkpoint_layers = true;
+        for (budget, keeps) in [(0, false), (model.graph_bytes(&pass) - 1, false), (model.graph_bytes(&pass), true)] {
+            model.graph_budget = budget;
+            assert_eq!(kept(&model), keeps, "a budget of {budget} bytes");
+        }
+    }
 }

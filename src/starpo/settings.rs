@@ -276,6 +276,10 @@ settings_section! {
         /// and recompute the layer during backward (8 × 256 tokens of the 135M model: 1.25×
         /// the time, half the memory; RAGEN's default, veRL enable_gradient_checkpointing).
         checkpoint_layers: bool = true,
+        /// With `checkpoint_layers`, a training pass whose graph is estimated under this many
+        /// MB keeps it instead (no recomputation: a 3-turn lights step 0.8× the time, 2.7 GB
+        /// more at its peak). 0 = checkpoint every pass.
+        graph_budget_mb: usize = 4096,
         /// Passes over the kept rollout per update (RAGEN ppo_epochs).
         epochs: usize = 1,
         /// Rollout freshness (RAGEN "Online-k"): each rollout gathers k × env_groups groups and
