@@ -43,6 +43,10 @@ settings_section! {
         spike_factor: f64 = 5.0,
         /// Steps in the running median for gradient-norm spikes and entropy rises.
         median_window: usize = 20,
+        /// Variance cliff and entropy collapse stay quiet on steps whose rollout/success is at
+        /// least this: when (nearly) every episode succeeds, groups agree and the policy settles,
+        /// which is a solved task, not the Echo Trap (`stop.solved_*` ends such a run).
+        solved_success: f64 = 0.9,
         /// Entropy collapse: update/entropy below this fraction of its early level.
         entropy_collapse_fraction: f64 = 0.1,
         /// Erratic entropy: update/entropy above this factor x its running median.
@@ -498,10 +502,12 @@ impl EchoTrapMonitor {
             self.seen[i] += 1;
             self.seen[i] > warm
         };
+        // A solved step's agreement and certainty are what learning was for.
+        let solved = num(m, Key::Success).is_some_and(|x| x >= self.settings.solved_success);
         if let (Some(std), Some(mean)) = (num(m, Key::InGroupStd), num(m, Key::RewardMean)) {
             let armed = tick(0);
             let f = self.cliff.0.check(step, std, mean);
-            emit(&mut self.cliff.1, AlarmKind::VarianceCliff, f, armed);
+            emit(&mut self.cliff.1, AlarmKind::VarianceCliff, f, armed && !solved);
         }
         if let Some(g) = num(m, Key::GradNorm) {
             let armed = tick(1);
@@ -511,7 +517,7 @@ impl EchoTrapMonitor {
         if let Some(h) = num(m, Key::Entropy) {
             let armed = tick(2);
             let f = self.entropy_low.0.check(h, "token entropy");
-            emit(&mut self.entropy_low.1, AlarmKind::EntropyCollapse, f, armed);
+            emit(&mut self.entropy_low.1, AlarmKind::EntropyCollapse, f, armed && !solved);
             let f = self.entropy_high.0.check(h, "token entropy");
             emit(&mut self.entropy_high.1, AlarmKind::EntropyRise, f, armed);
         }
@@ -783,6 +789,28 @@ mod tests {
             v
         }));
         assert!(alarms.iter().all(|a| a.kind != AlarmKind::VarianceCliff), "{alarms:#?}");
+    }
+
+    #[test]
+    fn a_solved_task_losing_its_variance_and_entropy_raises_no_alarm() {
+        // The collapse's std and entropy shapes, but every episode succeeds from step 35 on.
+        let solved = |s: u64, r: &mut Rng| {
+            let mut v = collapsing(s, r);
+            v.retain(|(k, _)| *k != Key::RewardMean);
+            v.extend([(Key::RewardMean, 1.0), (Key::Success, if s >= 35 { 1.0 } else { 0.5 })]);
+            v
+        };
+        let alarms = run(&series(150, solved));
+        let quiet = [AlarmKind::VarianceCliff, AlarmKind::EntropyCollapse];
+        assert!(alarms.iter().all(|a| !quiet.contains(&a.kind)), "{alarms:#?}");
+        // The same run failing at 0.5 success is the Echo Trap's early warning.
+        let stuck = |s: u64, r: &mut Rng| {
+            let mut v = solved(s, r);
+            v.last_mut().unwrap().1 = 0.5;
+            v
+        };
+        let kinds: Vec<AlarmKind> = run(&series(150, stuck)).iter().map(|a| a.kind).collect();
+        assert!(quiet.iter().all(|k| kinds.contains(k)), "{kinds:?}");
     }
 
     #[test]
