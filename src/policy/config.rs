@@ -211,10 +211,9 @@ impl Config {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn tiny(family: Family) -> Config {
+impl Config {
+    /// A one-layer config of a few numbers a side, for unit tests.
+    pub(crate) fn tiny(family: Family) -> Config {
         Config {
             family,
             vocab_size: 10,
@@ -232,11 +231,16 @@ mod tests {
             eos_token_ids: vec![2, 3],
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn hf_json_round_trips_for_both_families() {
         for f in [Family::Llama, Family::Qwen2] {
-            let c = tiny(f);
+            let c = Config::tiny(f);
             assert_eq!(Config::from_hf_json(&c.to_hf_json(), Path::new("config.json")).unwrap(), c);
         }
     }
@@ -244,29 +248,29 @@ mod tests {
     #[test]
     fn param_count_counts_biases_and_the_untied_head() {
         // Llama, tied: embed 80 + layer (norms 16, q 64, k 32, v 32, o 64, mlp 384) + final norm 8
-        assert_eq!(tiny(Family::Llama).num_params(), 80 + 592 + 8);
+        assert_eq!(Config::tiny(Family::Llama).num_params(), 80 + 592 + 8);
         // Qwen2: + q/k/v biases (8 + 4 + 4) + its own lm_head 80
-        assert_eq!(tiny(Family::Qwen2).num_params(), 80 + 592 + 16 + 8 + 80);
+        assert_eq!(Config::tiny(Family::Qwen2).num_params(), 80 + 592 + 16 + 8 + 80);
     }
 
     #[test]
     fn forward_flops_count_the_layers_per_position_and_the_head_per_scored_row() {
         // 2 · (592 layer weights · 10 positions + 80 head weights · 3 logit rows), tied or not.
-        assert_eq!(tiny(Family::Llama).forward_flops(10, 3), 2.0 * (592.0 * 10.0 + 80.0 * 3.0));
-        assert_eq!(tiny(Family::Qwen2).forward_flops(10, 0), 2.0 * 608.0 * 10.0);
+        assert_eq!(Config::tiny(Family::Llama).forward_flops(10, 3), 2.0 * (592.0 * 10.0 + 80.0 * 3.0));
+        assert_eq!(Config::tiny(Family::Qwen2).forward_flops(10, 0), 2.0 * 608.0 * 10.0);
     }
 
     #[test]
     fn unsupported_configs_name_the_file_and_the_field() {
-        let mut v = tiny(Family::Llama).to_hf_json();
+        let mut v = Config::tiny(Family::Llama).to_hf_json();
         v["model_type"] = "gpt_neox".into();
         let err = Config::from_hf_json(&v, Path::new("m/config.json")).unwrap_err().to_string();
         assert!(err.contains("m/config.json") && err.contains("gpt_neox"), "{err}");
-        let mut v = tiny(Family::Llama).to_hf_json();
+        let mut v = Config::tiny(Family::Llama).to_hf_json();
         v.as_object_mut().unwrap().remove("hidden_size");
         let err = Config::from_hf_json(&v, Path::new("m/config.json")).unwrap_err().to_string();
         assert!(err.contains("hidden_size"), "{err}");
-        v = tiny(Family::Llama).to_hf_json();
+        v = Config::tiny(Family::Llama).to_hf_json();
         v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0});
         assert!(Config::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string().contains("rope_scaling"));
     }

@@ -966,22 +966,7 @@ mod tests {
 
     #[test]
     fn a_pass_within_the_graph_budget_keeps_its_graph_and_a_larger_one_checkpoints() {
-        let cfg = Config {
-            family: Family::Llama,
-            vocab_size: 10,
-            hidden_size: 8,
-            intermediate_size: 16,
-            num_hidden_layers: 2,
-            num_attention_heads: 2,
-            num_key_value_heads: 1,
-            head_dim: 4,
-            rms_norm_eps: 1e-5,
-            rope_theta: 10_000.0,
-            max_position_embeddings: 64,
-            tie_word_embeddings: true,
-            bos_token_id: Some(1),
-            eos_token_ids: vec![2],
-        };
+        let cfg = Config { num_hidden_layers: 2, ..Config::tiny(Family::Llama) };
         let mut model = Decoder::random(cfg, 1, &Device::Cpu).unwrap();
         let ids = Tensor::new(&[[1u32, 4, 5, 6], [1, 4, 7, 8]], &Device::Cpu).unwrap();
         // 2 layers × (8 positions × 196 floats + 2 heads × 2 · 4 · 4 pairs × 2) × 4 bytes.
