@@ -201,43 +201,36 @@ impl CustomOp2 for RmsNorm {
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let h = w.elem_count();
         let dy = dy.contiguous()?;
-        let (xs, xl) = x.storage_and_layout();
-        let (ws, wl) = w.storage_and_layout();
-        let (gs, gl) = dy.storage_and_layout();
-        let (x_, w_, g_) = match (&*xs, &*ws, &*gs) {
-            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
-                (f32_slice(a, xl, "rms-norm")?, f32_slice(b, wl, "rms-norm")?, f32_slice(c, gl, "rms-norm")?)
-            }
-            _ => candle_core::bail!("rms-norm: expected CPU tensors"),
-        };
         let want_dw = w.track_op();
-        let mut dx = vec![0f32; x_.len()];
-        // Rows in blocks, each block summing its own dw (one vector per block, not per row).
-        let block = 64 * h;
-        let dw = dx
-            .par_chunks_mut(block)
-            .zip(x_.par_chunks(block).zip(g_.par_chunks(block)))
-            .map(|(dx, (x, g))| {
-                let mut dw = vec![0f32; if want_dw { h } else { 0 }];
-                for (dx, (x, g)) in dx.chunks_mut(h).zip(x.chunks(h).zip(g.chunks(h))) {
-                    let r = self.scale(x);
-                    let dot: f32 = g.iter().zip(w_).zip(x).map(|((g, w), x)| g * w * x).sum();
-                    let c = r * r * r * dot / h as f32;
-                    for (((d, &g), &w), &x) in dx.iter_mut().zip(g).zip(w_).zip(x) {
-                        *d = r * g * w - x * c;
+        let (dx, dw) = with_cpu_slices([x, w, &dy], "rms-norm", |[x_, w_, g_]| {
+            let mut dx = vec![0f32; x_.len()];
+            // Rows in blocks, each block summing its own dw (one vector per block, not per row).
+            let block = 64 * h;
+            let dw = dx
+                .par_chunks_mut(block)
+                .zip(x_.par_chunks(block).zip(g_.par_chunks(block)))
+                .map(|(dx, (x, g))| {
+                    let mut dw = vec![0f32; if want_dw { h } else { 0 }];
+                    for (dx, (x, g)) in dx.chunks_mut(h).zip(x.chunks(h).zip(g.chunks(h))) {
+                        let r = self.scale(x);
+                        let dot: f32 = g.iter().zip(w_).zip(x).map(|((g, w), x)| g * w * x).sum();
+                        let c = r * r * r * dot / h as f32;
+                        for (((d, &g), &w), &x) in dx.iter_mut().zip(g).zip(w_).zip(x) {
+                            *d = r * g * w - x * c;
+                        }
+                        for ((d, &g), &x) in dw.iter_mut().zip(g).zip(x) {
+                            *d += g * x * r;
+                        }
                     }
-                    for ((d, &g), &x) in dw.iter_mut().zip(g).zip(x) {
-                        *d += g * x * r;
-                    }
-                }
-                dw
-            })
-            .reduce(Vec::new, |a, b| match (a.is_empty(), b.is_empty()) {
-                (true, _) => b,
-                (_, true) => a,
-                _ => a.iter().zip(&b).map(|(a, b)| a + b).collect(),
-            });
-        drop((xs, ws, gs));
+                    dw
+                })
+                .reduce(Vec::new, |a, b| match (a.is_empty(), b.is_empty()) {
+                    (true, _) => b,
+                    (_, true) => a,
+                    _ => a.iter().zip(&b).map(|(a, b)| a + b).collect(),
+                });
+            Ok((dx, dw))
+        })?;
         let dx = Tensor::from_vec(dx, x.shape(), x.device())?;
         let dw = if want_dw { Some(Tensor::from_vec(dw, w.shape(), w.device())?) } else { None };
         Ok((Some(dx), dw))
@@ -265,6 +258,23 @@ fn sigmoid(x: f32) -> f32 {
 /// As candle computes it, so that every mode's values agree bit for bit.
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// `f` over the f32 data of contiguous CPU tensors (a backward written over slices).
+fn with_cpu_slices<R, const N: usize>(
+    tensors: [&Tensor; N],
+    what: &str,
+    f: impl FnOnce([&[f32]; N]) -> Result<R>,
+) -> Result<R> {
+    let guards = tensors.map(|t| t.storage_and_layout());
+    let mut slices: [&[f32]; N] = [&[]; N];
+    for (slice, (storage, layout)) in slices.iter_mut().zip(&guards) {
+        *slice = match &**storage {
+            Storage::Cpu(cpu) => f32_slice(cpu, layout, what)?,
+            _ => candle_core::bail!("{what}: expected CPU tensors"),
+        };
+    }
+    f(slices)
 }
 
 /// Slices of `a` and `b`'s storage, which must be f32 CPU tensors of the same shape.
@@ -303,29 +313,24 @@ impl CustomOp2 for SwiGlu {
     /// With s = sigmoid(g): d gate = dy·u·s·(1 + g·(1 − s)), d up = dy·g·s.
     fn bwd(&self, gate: &Tensor, up: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dy = dy.contiguous()?;
-        let (gs, gl) = gate.storage_and_layout();
-        let (us, ul) = up.storage_and_layout();
-        let (ds, dl) = dy.storage_and_layout();
-        let (g, u, d) = match (&*gs, &*us, &*ds) {
-            (Storage::Cpu(a), Storage::Cpu(b), Storage::Cpu(c)) => {
-                let (g, u) = same_shape_slices((a, gl), (b, ul), "swiglu")?;
-                (g, u, same_shape_slices((b, ul), (c, dl), "swiglu")?.1)
-            }
-            _ => candle_core::bail!("swiglu: expected CPU tensors"),
-        };
-        let (mut dg, mut du) = (vec![0f32; g.len()], vec![0f32; g.len()]);
-        let c = ELEMENTWISE_CHUNK;
-        dg.par_chunks_mut(c)
-            .zip(du.par_chunks_mut(c))
-            .zip(g.par_chunks(c).zip(u.par_chunks(c)).zip(d.par_chunks(c)))
-            .for_each(|((dg, du), ((g, u), d))| {
-                for i in 0..g.len() {
-                    let s = sigmoid(g[i]);
-                    dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-                    du[i] = d[i] * g[i] * s;
-                }
-            });
-        drop((gs, us, ds));
+        if gate.shape() != up.shape() || up.shape() != dy.shape() {
+            candle_core::bail!("swiglu: shapes {:?}, {:?} and {:?} differ", gate.shape(), up.shape(), dy.shape());
+        }
+        let (dg, du) = with_cpu_slices([gate, up, &dy], "swiglu", |[g, u, d]| {
+            let (mut dg, mut du) = (vec![0f32; g.len()], vec![0f32; g.len()]);
+            let c = ELEMENTWISE_CHUNK;
+            dg.par_chunks_mut(c)
+                .zip(du.par_chunks_mut(c))
+                .zip(g.par_chunks(c).zip(u.par_chunks(c)).zip(d.par_chunks(c)))
+                .for_each(|((dg, du), ((g, u), d))| {
+                    for i in 0..g.len() {
+                        let s = sigmoid(g[i]);
+                        dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+                        du[i] = d[i] * g[i] * s;
+                    }
+                });
+            Ok((dg, du))
+        })?;
         Ok((
             Some(Tensor::from_vec(dg, gate.shape(), gate.device())?),
             Some(Tensor::from_vec(du, up.shape(), up.device())?),

@@ -47,11 +47,9 @@ impl Nets {
         if policy.model.lora != lora {
             bail!("the checkpoint's adapters do not match the run's lora.* settings");
         }
-        policy.model.checkpoint_layers = s.optim.checkpoint_layers;
-        policy.model.graph_budget = s.optim.graph_budget_mb << 20;
+        s.optim.plan_memory(&mut policy.model);
         if let Some(c) = critic.as_mut() {
-            c.backbone.checkpoint_layers = s.optim.checkpoint_layers;
-            c.backbone.graph_budget = s.optim.graph_budget_mb << 20;
+            s.optim.plan_memory(&mut c.backbone);
         }
         let mut actor_opt = AdamW::new(policy.model.trainable_vars(), s.optim.lr, &s.optim)?;
         let mut critic_opt =

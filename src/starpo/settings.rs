@@ -369,6 +369,14 @@ pub enum Algo {
     Grpo,
 }
 
+impl Optim {
+    /// How `model`'s training passes spend memory: layer checkpoints above the graph budget.
+    pub fn plan_memory(&self, model: &mut crate::policy::model::Decoder) {
+        model.checkpoint_layers = self.checkpoint_layers;
+        model.graph_budget = self.graph_budget_mb << 20;
+    }
+}
+
 impl Settings {
     /// StarPO-S: the defaults (RAGEN v1 `base.yaml`).
     pub fn starpo_s() -> Self {

@@ -152,8 +152,7 @@ pub fn sft(opts: Options) -> Result<Summary> {
     if let Some(cfg) = &lora {
         lora::attach(&mut policy.model, cfg, s.train.seed)?;
     }
-    policy.model.checkpoint_layers = s.optim.checkpoint_layers;
-    policy.model.graph_budget = s.optim.graph_budget_mb << 20;
+    s.optim.plan_memory(&mut policy.model);
     let lr = opts.lr.unwrap_or(if lora.is_some() { LORA_LR } else { FULL_LR });
     let mut opt = AdamW::new(policy.model.trainable_vars(), lr, &s.optim)?;
     let mut rng = Rng::new(s.train.seed);
