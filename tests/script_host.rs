@@ -741,11 +741,20 @@ fn invoice_rewards_right_decisions_and_extracted_fields() {
         assert_eq!(ep.step(&format!("extract vendor={vendor}")).unwrap().reward, 0.2);
         assert_eq!(ep.step(&format!("extract vendor={vendor}")).unwrap().reward, 0.0, "counted once");
         assert_eq!(ep.step("extract total=0.01").unwrap().reward, -0.1);
+        // No decision before the PO lookup (the env's control): refused, the episode goes on.
+        let early = ep.step("approve").unwrap();
+        assert!(!early.valid && !early.done && !ep.valid_actions().unwrap().contains(&"approve".to_string()));
+        ep.step("lookup_po").unwrap();
         let o = ep.step("approve").unwrap();
         assert!(o.done && !o.success && o.reward == -1.0, "approving a {problem} invoice");
         let mut ep = e.reset(seed, 0, &p).unwrap();
+        ep.step("lookup_po").unwrap();
+        assert!(
+            ep.render().unwrap().ends_with(&format!("Match: FAILED, the {problem} differs")),
+            "a {problem} problem is flagged"
+        );
         if problem == "total" {
-            ep.step("request_correction").unwrap();
+            assert_eq!(ep.step("request_correction").unwrap().reward, 0.5, "a right request is paid as made");
             assert!(ep.render().unwrap().contains("corrected invoice"));
             let o = ep.step("approve").unwrap();
             assert!(o.success && o.reward == 1.0);
@@ -756,10 +765,18 @@ fn invoice_rewards_right_decisions_and_extracted_fields() {
     }
     assert_eq!(seen.len(), 2, "both problem kinds appear: {seen:?}");
     let mut ep = e.reset(0, 0, &params(&e, &[("problem_p", "0.0")])).unwrap();
-    assert!(ep.step("query total").unwrap().valid);
-    assert!(ep.render().unwrap().contains("PO total: "));
+    assert!(ep.render().unwrap().starts_with("INVOICE "));
+    assert!(ep.step("lookup_po").unwrap().valid);
+    // Later turns show what changed, with the PO lookup's verdict, not the document again.
+    let later = ep.render().unwrap();
+    assert!(later.contains("PO total: ") && later.ends_with("Match: PASSED") && !later.contains("INVOICE"), "{later}");
     assert!(!ep.step("dance").unwrap().valid);
+    assert_eq!(ep.step("request_correction").unwrap().reward, -0.5, "nothing to correct");
     assert!(ep.step("approve").unwrap().success);
+    // Without extraction (scripts/invoice.rhai) the lookup is the first turn's one command.
+    let mut ep = e.reset(0, 0, &params(&e, &[("extract", "false")])).unwrap();
+    assert_eq!(ep.valid_actions().unwrap(), ["lookup_po"]);
+    assert!(!ep.step("extract total=1.00").unwrap().valid);
 }
 
 /// Each workflow env's procedure solves every case, and each command it gives is one of the
@@ -817,9 +834,28 @@ fn expense_decisions_follow_the_policy() {
             Some(_) => ("approve".to_string(), "approve_partial 0.01".to_string()),
         };
         seen.insert(right.split(' ').next().unwrap().to_string());
+        // The policy lookup says how the claim compares with the limit.
+        ep.step("check_policy").unwrap();
+        let note = ep.render().unwrap();
+        let verdict = match limit {
+            None => "Check: FAILED, the category is not reimbursed".to_string(),
+            Some(l) if amount > l => {
+                format!("Check: FAILED, the amount is over the limit of {}.{:02}", l / 100, l % 100)
+            }
+            Some(_) => "Check: PASSED".to_string(),
+        };
+        assert!(note.ends_with(&verdict) && !note.contains("EXPENSE CLAIM"), "seed {seed}: {note}");
         assert!(ep.step(&right).unwrap().success, "seed {seed}: {right} on {s}");
         let mut ep = e.reset(seed, 0, &p).unwrap();
+        assert!(!ep.step(&wrong).unwrap().valid, "no decision before the policy lookup");
+        ep.step("check_policy").unwrap();
         assert_eq!(ep.step(&wrong).unwrap().reward, -1.0, "seed {seed}: {wrong} on {s}");
+        if right.starts_with("approve_partial") {
+            let mut ep = e.reset(seed, 0, &p).unwrap();
+            ep.step("check_policy").unwrap();
+            let o = ep.step("approve_partial 0.01").unwrap();
+            assert!(o.done && !o.success && o.reward == 0.0, "the wrong amount: wrong, scored 0");
+        }
     }
     assert_eq!(seen.len(), 3, "approve, reject and partial all appear: {seen:?}");
 }
@@ -901,6 +937,40 @@ fn the_prompt_template_writes_ragens_messages() {
     assert!(first_narrow.contains("Your available actions are:\nUp, Left\n"), "{first_narrow}");
     let later = prompt.user(&info, &TurnContext { valid_actions: narrow, ..second }).unwrap();
     assert!(later.starts_with("Reward:\n-0.15\nYour available actions are:\nUp, Left\n\nTurn 2:"), "{later}");
+}
+
+/// The workflow prompt states the rules once: later turns carry the reward, the state and the
+/// commands legal in it, not the instruction and format again.
+#[test]
+fn the_workflow_prompt_states_its_rules_on_the_first_turn_only() {
+    let host = repo_host();
+    let prompt = PromptScript::load(&host, Path::new("prompts/workflow.rhai")).unwrap();
+    let e = env("invoice");
+    let info = e.info(&params(&e, &[])).unwrap();
+    let first = TurnContext {
+        turn: 1,
+        obs: "INVOICE INV-1".into(),
+        actions_left: 8,
+        prev_reward: None,
+        think: false,
+        max_tokens: 32,
+        max_actions_per_turn: 2,
+        show_actions: true,
+        valid_actions: vec!["lookup_po".into(), "approve".into()],
+    };
+    assert_eq!(
+        prompt.user(&info, &first).unwrap(),
+        format!(
+            "{}\nAnswer with up to 2 commands separated by \" || \", as <answer> [your answer] </answer>.\n\
+             \nTurn 1 (8 commands left):\nINVOICE INV-1\nCommands: lookup_po, approve\n",
+            info.instruction
+        )
+    );
+    let second = TurnContext { turn: 2, obs: "Invoice INV-1 (above).".into(), prev_reward: Some(0.2), ..first };
+    assert_eq!(
+        prompt.user(&info, &second).unwrap(),
+        "Reward: 0.2\n\nTurn 2 (8 commands left):\nInvoice INV-1 (above).\nCommands: lookup_po, approve\n"
+    );
 }
 
 #[test]

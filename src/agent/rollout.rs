@@ -70,6 +70,9 @@ pub struct TurnRecord {
     /// (validation) and the env defines `fn solve`: whether the model read the state.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub solver_action: Option<String>,
+    /// How many legal actions the state offered (its `valid_actions`): a turn with one had no
+    /// choice to make, so the answer-share alarms leave it out.
+    pub choices: usize,
 }
 
 impl TurnRecord {
@@ -203,6 +206,7 @@ impl Play {
             true => self.episode.solve()?.and_then(|path| path.into_iter().next()),
             false => None,
         };
+        let choices = self.episode.valid_actions()?.len();
         // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
         // (RAGEN's format penalty included) is the experiment's reward scripts' job.
         let (applied, reward) = apply_and_shape(
@@ -250,6 +254,7 @@ impl Play {
             response_tokens: reply.tokens,
             think_tokens,
             solver_action,
+            choices,
         });
         Ok(())
     }

@@ -79,8 +79,12 @@ pub fn rollout_metrics(step: u64, trajs: &[Trajectory], stds: &[f64], kept: &[us
     let answer_only = |t: &&&TurnRecord| t.think.is_none() && t.legal_answer();
     let free: Vec<&str> = turns.iter().filter(|t| !answer_only(t)).map(|t| t.response.as_str()).collect();
     put(&mut m, Key::Repetition, repetition(&free) * free.len() as f64 / nt);
-    let answers: Vec<(&str, String)> =
-        turns.iter().filter(|t| t.legal_answer()).map(|t| (t.obs.as_str(), t.actions.join(" || "))).collect();
+    // A turn whose state offered one action (a workflow's forced lookup) is no choice.
+    let answers: Vec<(&str, String)> = turns
+        .iter()
+        .filter(|t| t.legal_answer() && t.choices != 1)
+        .map(|t| (t.obs.as_str(), t.actions.join(" || ")))
+        .collect();
     if let Some(share) = answer_top_share(&answers) {
         put(&mut m, Key::AnswerTopShare, share);
     }
