@@ -118,7 +118,7 @@ pub fn demonstrations(
             let tokens = policy.encode_plain(&text)?.len();
             stats.over_response_length += usize::from(tokens > s.response_length);
             let reply = Reply { text, tokens, forced: false, sampled: None, verbatim: None, grammar: None };
-            play.take_reply(&turns, scripts, s, turn, (open.obs, open.user), reply, |t| {
+            play.take_reply(&turns, scripts, s, turn, (open.obs, open.user, open.valid_actions.len()), reply, |t| {
                 Ok(policy.encode_plain(t)?.len())
             })?;
             let taken = play.turns.last().expect("a turn was just taken");

@@ -189,14 +189,15 @@ impl Play {
 
     /// The reply to turn `turn` (opened by [`Turns::open`] or [`Turns::user_turn`]): parse it,
     /// step the env, shape the reward, put the re-serialised reply into the history and record
-    /// the turn. `count_tokens` measures the think text.
+    /// the turn. `choices` is how many legal actions the opened state offered (the caller has
+    /// them already); `count_tokens` measures the think text.
     pub fn take_reply(
         &mut self,
         turns: &Turns,
         scripts: &ExperimentScripts,
         s: &Rollout,
         turn: usize,
-        (obs, user): (String, String),
+        (obs, user, choices): (String, String, usize),
         reply: Reply,
         count_tokens: impl Fn(&str) -> Result<usize>,
     ) -> Result<()> {
@@ -206,7 +207,6 @@ impl Play {
             true => self.episode.solve()?.and_then(|path| path.into_iter().next()),
             false => None,
         };
-        let choices = self.episode.valid_actions()?.len();
         // Actions past the episode's budget or its end are dropped, as in RAGEN; shaping
         // (RAGEN's format penalty included) is the experiment's reward scripts' job.
         let (applied, reward) = apply_and_shape(
@@ -332,7 +332,7 @@ pub fn rollout(
 
     for turn in 1..=max_turns {
         // 1. Prompts of every live episode.
-        let mut batch = Vec::new(); // (episode index, prompt ids, (obs, user text))
+        let mut batch = Vec::new(); // (episode index, prompt ids, (obs, user text, legal actions))
         let mut row_constraints = Vec::new(); // under constrain_actions: each row's legal actions
         for (i, ep) in live.iter_mut().enumerate().filter(|(_, e)| !e.done) {
             let Some(open) = turns.open(policy, scripts, &ep.episode, &mut ep.history, turn, ep.prev_reward, s)? else {
@@ -343,7 +343,7 @@ pub fn rollout(
             if s.constrain_actions {
                 row_constraints.push(turn_grammar(&open.valid_actions));
             }
-            batch.push((i, open.ids, (open.obs, open.user)));
+            batch.push((i, open.ids, (open.obs, open.user, open.valid_actions.len())));
         }
         if batch.is_empty() {
             break;

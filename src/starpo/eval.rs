@@ -349,7 +349,9 @@ fn play(
     play.ask_solver = true;
     let (mut latencies, mut prompt_tokens, mut completion_tokens) = (Vec::new(), 0, 0);
     for turn in 1..=turns.max_turns {
-        let (opened, valid) = turns.user_turn(scripts, &play.episode, &mut play.history, turn, play.prev_reward, r)?;
+        let ((obs, user), valid) =
+            turns.user_turn(scripts, &play.episode, &mut play.history, turn, play.prev_reward, r)?;
+        let opened = (obs, user, valid.len());
         let names = if valid.is_empty() { turns.info.actions.clone() } else { valid };
         let mut messages: Vec<ChatMessage> = play
             .history
